@@ -1,0 +1,1 @@
+"""The engine: scheduler, step loop, clock, sampling parameters, sessions."""

@@ -1,0 +1,63 @@
+"""The executor interface: the one thing that differs between the real engine and the simulator.
+
+The scheduler builds a batch of `SeqWork` items (one per running sequence) and hands it to
+an executor. `ModelRunner` (PyTorch) computes KV and samples tokens; `SimulatedRunner`
+advances a virtual clock by a cost model. Neither owns scheduling or memory decisions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from kvpilot.engine.sampling import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class SeqWork:
+    """One sequence's share of a step.
+
+    ``token_ids`` are the tokens whose KV this step computes, at positions
+    ``start_pos .. start_pos + len(token_ids) - 1``; ``start_pos`` tokens of KV are already
+    in the cache (read through ``block_table``). ``block_table`` lists device block ids
+    covering at least ``start_pos + len(token_ids)`` positions; position p lives in block
+    ``block_table[p // block_size]`` at offset ``p % block_size``.
+
+    When ``sampling`` is set, the executor samples the next token from the logits of the
+    last position, with generation step index ``step`` (seeded sampling depends only on
+    ``(sampling.seed, step)``). ``sample_count`` > 1 samples that many tokens from the same
+    logits (used by ``n`` > 1: the prompt is prefilled once, each branch samples its own
+    first token with step seeds ``seed + i``).
+    """
+
+    seq_id: int
+    token_ids: Sequence[int]
+    start_pos: int
+    block_table: Sequence[int]
+    sampling: SamplingParams | None = None
+    step: int = 0
+    seed: int = 0
+    sample_count: int = 1
+
+
+@dataclass(frozen=True, slots=True)
+class StepOutput:
+    """Sampled tokens per seq_id (only for works that asked to sample)."""
+
+    tokens: dict[int, list[int]]
+
+
+class Executor(Protocol):
+    """Runs batches against a paged KV pool of ``num_blocks`` blocks of ``block_size``."""
+
+    block_size: int
+    num_blocks: int
+
+    def execute(self, works: Sequence[SeqWork]) -> StepOutput:
+        """Compute KV for every work's tokens; sample where asked."""
+        ...
+
+    def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Copy whole device blocks src -> dst (copy-on-write of a fork's partial tail)."""
+        ...
