@@ -2,13 +2,164 @@
 
 from __future__ import annotations
 
+import json
+from typing import Annotated
+
 import typer
+from rich.console import Console
+
+from kvpilot.errors import KvpilotError
 
 app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
     help="kvpilot: an agent-aware LLM serving engine built around its KV-cache manager.",
 )
+
+
+def _fail(exc: KvpilotError) -> typer.Exit:
+    typer.echo(f"error: {exc}", err=True)
+    return typer.Exit(code=2)
+
+
+@app.command()
+def plan(
+    model: Annotated[str, typer.Option(help="Preset name or path to a config.json.")] = (
+        "llama-3-70b"
+    ),
+    node: Annotated[str, typer.Option(help="COUNTxACCELERATOR, e.g. 8xh100, 4xb200.")] = "8xh100",
+    tp: Annotated[
+        int | None, typer.Option(help="Tensor parallel degree (default: all devices).")
+    ] = None,
+    kv_dtype: Annotated[str | None, typer.Option(help="KV cache dtype: bf16, fp16, fp8.")] = None,
+    context: Annotated[
+        list[int] | None,
+        typer.Option(help="Context tokens, repeatable (default: 8192, 32768, 131072)."),
+    ] = None,
+    shared: Annotated[int, typer.Option(help="Shared prefix tokens (eq. 7).")] = 24576,
+    output: Annotated[int, typer.Option(help="Output tokens per trajectory (K_avg).")] = 0,
+    headroom: Annotated[float, typer.Option(help="Pool fraction kept free.")] = 0.0,
+    reserve: Annotated[str, typer.Option(help="Runtime reserve per device.")] = "2.5GB",
+    weights: Annotated[str | None, typer.Option(help="Weights of one model copy.")] = None,
+    hbm: Annotated[str | None, typer.Option(help="Memory per device, e.g. 80GB.")] = None,
+    block_size: Annotated[
+        list[int] | None, typer.Option(help="Tokens per block, repeatable (default: 16).")
+    ] = None,
+    seqs: Annotated[int, typer.Option(help="Sequences for the tail-waste estimate.")] = 256,
+    pause: Annotated[float | None, typer.Option(help="Price a tool wait of SECONDS.")] = None,
+    mfu: Annotated[float, typer.Option(help="Prefill model FLOPs utilization.")] = 0.45,
+    link_bw: Annotated[str | None, typer.Option(help="Host link per device, e.g. 64GB/s.")] = None,
+    nvme_bw: Annotated[str | None, typer.Option(help="NVMe bandwidth per node.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Size KV memory: bytes per token, pool, concurrency, blocks, and the pause decision."""
+    from kvpilot.cli_format import parse_bytes, render_plan, to_jsonable
+    from kvpilot.geometry import resolve_geometry
+    from kvpilot.hardware import parse_node
+    from kvpilot.plan import DEFAULT_BLOCK_SIZES, DEFAULT_CONTEXTS, PlanConfig, make_plan
+
+    def opt(text: str | None) -> float | None:
+        return None if text is None else parse_bytes(text)
+
+    try:
+        hbm_bytes = opt(hbm)
+        the_node = parse_node(node).with_overrides(
+            hbm_bytes=None if hbm_bytes is None else int(hbm_bytes),
+            host_link_bw_bytes_s=opt(link_bw),
+            nvme_bw_bytes_s=opt(nvme_bw),
+        )
+        result = make_plan(
+            PlanConfig(
+                geometry=resolve_geometry(model, kv_dtype),
+                node=the_node,
+                tp=tp,
+                contexts=tuple(context) if context else DEFAULT_CONTEXTS,
+                shared_tokens=shared,
+                output_tokens=output,
+                headroom=headroom,
+                reserve_bytes_per_device=parse_bytes(reserve),
+                weight_bytes=opt(weights),
+                block_sizes=tuple(block_size) if block_size else DEFAULT_BLOCK_SIZES,
+                num_seqs=seqs,
+                pause_s=pause,
+                mfu=mfu,
+            )
+        )
+    except KvpilotError as exc:
+        raise _fail(exc) from exc
+    if as_json:
+        typer.echo(json.dumps(to_jsonable(result)))
+    else:
+        render_plan(result, Console())
+
+
+@app.command()
+def frag(
+    pool: Annotated[str, typer.Option(help="KV pool size.")] = "10GiB",
+    token_bytes: Annotated[str, typer.Option(help="KV bytes per token.")] = "160KiB",
+    max_tokens: Annotated[int, typer.Option(help="S_max, the static reservation.")] = 16384,
+    mean: Annotated[float, typer.Option(help="Mean sequence length (lognormal).")] = 2048,
+    sigma: Annotated[float, typer.Option(help="Lognormal sigma.")] = 1.0,
+    lengths: Annotated[
+        str | None, typer.Option(help="Comma-separated lengths instead of lognormal.")
+    ] = None,
+    rounds: Annotated[int, typer.Option(help="Churn rounds (0: fill once).")] = 200,
+    departure: Annotated[float, typer.Option(help="Share of requests leaving per round.")] = 0.1,
+    block_size: Annotated[int, typer.Option(help="Paged block size (tokens).")] = 16,
+    request: Annotated[str, typer.Option(help="Request size probed for Φ_ext.")] = "1.5GiB",
+    seed: Annotated[int, typer.Option(help="Random seed.")] = 0,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Compare static, buddy and paged KV allocators: efficiency, fragmentation, concurrency."""
+    from kvpilot.cli_format import parse_bytes, render_frag, to_jsonable
+    from kvpilot.errors import ConfigError
+    from kvpilot.memory.baselines import Workload, compare_allocators, spec_scenarios
+
+    try:
+        try:
+            length_list = (
+                tuple(int(x) for x in lengths.split(",") if x.strip()) if lengths else None
+            )
+        except ValueError as exc:
+            raise ConfigError(
+                f"--lengths takes integers separated by commas, got {lengths!r}"
+            ) from exc
+        workload = Workload(mean, sigma, max_tokens, rounds, departure, seed, length_list)
+        pool_bytes, tok = int(parse_bytes(pool)), int(parse_bytes(token_bytes))
+        reports = compare_allocators(
+            pool_bytes, tok, workload, block_size, int(parse_bytes(request))
+        )
+    except KvpilotError as exc:
+        raise _fail(exc) from exc
+    scenarios = spec_scenarios()
+    if as_json:
+        payload = {"workload": workload, "allocators": reports, "spec_napkin_0_2": scenarios}
+        typer.echo(json.dumps(to_jsonable(payload)))
+        return
+    source = "lengths " + lengths if lengths else f"lognormal mean {mean:,.0f} sigma {sigma:g}"
+    title = (
+        f"{pool_bytes / (1 << 30):g} GiB pool, {tok / 1024:g} KiB/token, S_max {max_tokens:,}, "
+        f"{source}, {rounds} rounds (means)"
+    )
+    render_frag(reports, title, scenarios, Console())
+
+
+@app.command()
+def demo(
+    model: Annotated[str, typer.Option(help="Checkpoint folder, or the built-in tiny.")] = "tiny",
+) -> None:
+    """The main job on built-in defaults: plan, frag, then the engine on `tiny`."""
+    from kvpilot.demo import run_engine_demo
+
+    console = Console()
+    console.rule("[bold]kvpilot plan: Llama-3-70B on 8xH100 (8k/32k/128k, shared prefix, 45 s pause)")
+    plan(pause=45.0)
+    console.rule("[bold]kvpilot frag: static vs buddy vs paged allocation")
+    frag()
+    try:
+        run_engine_demo(console, model)
+    except KvpilotError as exc:
+        raise _fail(exc) from exc
 
 
 def main() -> None:

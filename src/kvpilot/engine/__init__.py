@@ -1,1 +1,25 @@
 """The engine: scheduler, step loop, clock, sampling parameters, sessions."""
+
+from kvpilot.engine.clock import Clock, VirtualClock, WallClock
+from kvpilot.engine.config import EngineConfig
+from kvpilot.engine.engine import Engine, EngineStats
+from kvpilot.engine.executor import Executor, SeqWork, StepOutput
+from kvpilot.engine.request import CompletionOutput, RequestOutput
+from kvpilot.engine.sampling import SamplingParams
+from kvpilot.engine.session import Session
+
+__all__ = [
+    "Clock",
+    "CompletionOutput",
+    "Engine",
+    "EngineConfig",
+    "EngineStats",
+    "Executor",
+    "RequestOutput",
+    "SamplingParams",
+    "SeqWork",
+    "Session",
+    "StepOutput",
+    "VirtualClock",
+    "WallClock",
+]

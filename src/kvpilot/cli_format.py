@@ -1,0 +1,204 @@
+"""Parsing and printing for the CLI: byte sizes with units, rich tables, JSON."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+import re
+from typing import Any
+
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
+from kvpilot.errors import ConfigError
+from kvpilot.memory.baselines import FragReport, ScenarioResult
+from kvpilot.plan import Plan
+
+_UNITS: dict[str, int] = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 1 << 10,
+    "mib": 1 << 20,
+    "gib": 1 << 30,
+    "tib": 1 << 40,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
+
+
+def parse_bytes(text: str) -> float:
+    """'20GB' -> 2e10, '2.5GiB' -> 2.5 * 2**30, '640KiB', '64GB/s' (bandwidth), '1024' (bytes)."""
+    match = _SIZE_RE.match(text.removesuffix("/s").removesuffix("ps"))
+    unit = match.group(2).lower() if match else ""
+    if match is None or unit not in _UNITS:
+        raise ConfigError(
+            f"cannot read size {text!r}: write a number with a unit, e.g. 20GB, 2.5GiB, 640KiB"
+        )
+    return float(match.group(1)) * _UNITS[unit]
+
+
+def to_jsonable(value: Any) -> Any:
+    """Dataclasses, enums and tuples as JSON values; infinities and NaN become null."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: to_jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, dict):
+        return {str(k): to_jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [to_jsonable(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def _gb(nbytes: float) -> str:
+    return f"{nbytes / 1e9:,.1f}"
+
+
+def _ms(seconds: float) -> str:
+    return "∞" if math.isinf(seconds) else f"{seconds * 1e3:,.0f}"
+
+
+def _pct(x: float, digits: int = 1) -> str:
+    return f"{x * 100:.{digits}f}"
+
+
+def render_plan(plan: Plan, console: Console) -> None:
+    b, f = plan.budget, plan.footprint
+    replicas = f" x {b.replicas} replicas" if b.replicas > 1 else ""
+    console.print(
+        f"[bold]{plan.model}[/] on [bold]{plan.node}[/], TP {b.tp}{replicas} · "
+        f"weights {plan.weight_dtype}, KV {plan.kv_dtype}"
+    )
+
+    memory = Table(title="Memory (eq. 3-5)", title_justify="left", box=box.SIMPLE_HEAD)
+    memory.add_column("")
+    memory.add_column("per device", justify="right")
+    memory.add_column("TP group" if b.replicas > 1 else "node", justify="right")
+    memory.add_row("KV per token (B)", f"{f.device_bytes:,}", f"{f.group_bytes:,}")
+    per_group = b.tp if b.replicas > 1 else b.devices
+    for label, dev in (
+        ("HBM (GB)", b.hbm_bytes_per_device),
+        ("weights (GB)", b.weight_bytes_per_device),
+        ("reserve (GB)", b.reserve_bytes_per_device),
+        ("KV pool (GB)", b.pool_bytes_per_device),
+    ):
+        memory.add_row(label, _gb(dev), _gb(dev * per_group))
+    console.print(memory)
+
+    capacity = Table(
+        title=f"Trajectories per node (output {plan.output_tokens:,}, headroom "
+        f"{_pct(plan.headroom, 0)}%, shared {plan.shared_tokens:,} tokens)",
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+        caption="-: the shared prefix is longer than the context"
+        if any(r.shared is None for r in plan.capacity)
+        else None,
+        caption_justify="left",
+    )
+    for name in ("context (tokens)", "per trajectory (GB)", "cold (eq. 6)", "shared (eq. 7)"):
+        capacity.add_column(name, justify="right")
+    for row in plan.capacity:
+        capacity.add_row(
+            f"{row.context_tokens:,}",
+            _gb(row.trajectory_bytes),
+            f"{row.cold:,}",
+            "-" if row.shared is None else f"{row.shared:,}",
+        )
+    console.print(capacity)
+
+    blocks = Table(
+        title=f"Paged blocks per device (tail waste at {plan.num_seqs:,} sequences)",
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+    )
+    for name in ("block (tokens)", "block (KiB)", "blocks", "tokens", "tail waste (%)"):
+        blocks.add_column(name, justify="right")
+    for row in plan.blocks:
+        blocks.add_row(
+            f"{row.block_size}",
+            f"{row.block_bytes / 1024:,.0f}",
+            f"{row.num_blocks:,}",
+            f"{row.token_capacity:,}",
+            _pct(row.tail_waste_fraction, 2),
+        )
+    console.print(blocks)
+
+    if not plan.pauses:
+        return
+    assert plan.pause_s is not None
+    pause = Table(
+        title=f"Pause of {plan.pause_s:g} s (break-even rule, device memory contended)",
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+    )
+    for name in ("tokens", "KV (GB)", "reload (ms)", "recompute (s)", "held (GB·s)", "action"):
+        pause.add_column(name, justify="left" if name == "action" else "right")
+    for row in plan.pauses:
+        d = row.decision
+        pause.add_row(
+            f"{row.context_tokens:,}",
+            _gb(row.kv_bytes),
+            _ms(d.reload_s),
+            f"{d.recompute_s:,.2f}",
+            f"{d.held_gb_s:,.0f}",
+            d.action.value,
+        )
+    console.print(pause)
+    for row in plan.pauses:
+        console.print(f"{row.context_tokens:,} tokens: {row.decision.reason}")
+
+
+def render_frag(
+    reports: list[FragReport],
+    workload_title: str,
+    scenarios: list[ScenarioResult],
+    console: Console,
+) -> None:
+    gib = 1 << 30
+    request = f"Φ_ext {reports[0].request_bytes / gib:g} GiB (%)" if reports else "Φ_ext (%)"
+    table = Table(title=workload_title, title_justify="left", box=box.SIMPLE_HEAD)
+    for name in ("allocator", "admitted", "η_alloc (%)", request, "η_effective (%)"):
+        table.add_column(name, justify="left" if name == "allocator" else "right")
+    for r in reports:
+        table.add_row(
+            r.allocator,
+            f"{r.admitted:.1f}",
+            _pct(r.eta_alloc),
+            _pct(r.phi_ext),
+            _pct(r.eta_effective),
+        )
+    console.print(table)
+
+    if not scenarios:
+        return
+    napkin = Table(
+        title=f"Napkin Math 0.2: 10 GiB pool, 160 KiB/token, next request "
+        f"{scenarios[0].request_bytes / gib:g} GiB",
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+    )
+    for name in ("", "admitted", "η_alloc %", "Φ_ext %", "free GiB", "max hole GiB", "next"):
+        napkin.add_column(name, justify="right" if name else "left")
+    for sc in scenarios:
+        snap = sc.snapshot
+        napkin.add_row(
+            f"{sc.name}: {sc.allocator}",
+            f"{snap.admitted}",
+            _pct(snap.eta_alloc),
+            _pct(snap.phi_ext),
+            f"{snap.free_bytes / gib:.2f}",
+            f"{max(sc.holes_bytes, default=0) / gib:.2f}",
+            "fits" if sc.request_fits else "refused",
+        )
+    console.print(napkin)
+    for sc in scenarios:
+        if sc.holes_bytes:
+            holes = ", ".join(f"{h >> 20:,}" for h in sc.holes_bytes)
+            console.print(f"{sc.name}: free holes of {holes} MiB")

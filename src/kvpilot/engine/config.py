@@ -1,0 +1,54 @@
+"""Engine configuration: one dataclass, built from the CLI or keyword arguments."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from kvpilot.errors import ConfigError
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Knobs of the step loop and the KV pool.
+
+    ``max_num_batched_tokens`` is the token budget of one step (decodes count one each);
+    ``max_prefill_chunk`` caps one sequence's prefill chunk. Monolithic prefill is
+    ``chunked_prefill=False``: a prompt is computed in one step whatever its length.
+    New work is admitted only while device KV usage (blocks held, not counting cached
+    blocks that could be evicted) is below ``tau_high``.
+    """
+
+    block_size: int = 16
+    kv_blocks: int | None = None
+    kv_memory_bytes: int | None = None
+    max_num_batched_tokens: int = 2048
+    max_prefill_chunk: int = 512
+    max_num_seqs: int = 128
+    chunked_prefill: bool = True
+    tau_high: float = 0.9
+    enable_prefix_caching: bool = True
+    max_model_len: int | None = None
+    dtype: str = "float32"
+    device: str = "cpu"
+    attention: str = "torch"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ConfigError(f"block_size must be a power of two, got {self.block_size}")
+        if self.max_num_batched_tokens < 1 or self.max_prefill_chunk < 1:
+            raise ConfigError("max_num_batched_tokens and max_prefill_chunk must be positive")
+        if not 0.0 < self.tau_high <= 1.0:
+            raise ConfigError(f"tau_high must be in (0, 1], got {self.tau_high}")
+        if self.max_num_seqs < 1:
+            raise ConfigError("max_num_seqs must be positive")
+        if self.kv_blocks is not None and self.kv_blocks < 1:
+            raise ConfigError("kv_blocks must be positive")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: object) -> EngineConfig:
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise ConfigError(f"unknown engine option(s) {unknown}; known: {sorted(names)}")
+        return cls(**kwargs)  # type: ignore[arg-type]

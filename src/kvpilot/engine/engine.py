@@ -1,0 +1,546 @@
+"""The engine: requests in, a step loop over the scheduler and an executor, outputs out.
+
+The engine owns no model code and never reads wall time (it asks its `Clock`), so the
+simulator drives this same loop with a simulated executor on virtual time.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections.abc import Iterable
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvpilot.engine.clock import Clock, WallClock
+from kvpilot.engine.config import EngineConfig
+from kvpilot.engine.executor import Executor
+from kvpilot.engine.request import (
+    CompletionOutput,
+    Request,
+    RequestOutput,
+    SeqStatus,
+    Sequence,
+)
+from kvpilot.engine.sampling import SamplingParams
+from kvpilot.engine.scheduler import Scheduler, SchedulerOutput
+from kvpilot.engine.session import Session
+from kvpilot.errors import InvalidRequest, OutOfBlocks, PromptTooLong
+from kvpilot.memory import KVConfig, KVManager, Trajectory
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """Counters a user (and /metrics) can read."""
+
+    steps: int = 0
+    prefill_tokens: int = 0  # tokens whose KV was computed by prefill chunks
+    decode_tokens: int = 0
+    generated_tokens: int = 0
+    prompt_tokens: int = 0  # per request: history + prompt at admission
+    cached_tokens: int = 0  # per request: prefix hit
+    requests_finished: int = 0
+    forks: int = 0
+    fork_copied_blocks: int = 0
+    step_time_s: float = 0.0
+    ttft_s: list[float] = field(default_factory=list)
+    itl_s: list[float] = field(default_factory=list)
+    e2e_s: list[float] = field(default_factory=list)
+
+    @property
+    def hit_rate(self) -> float:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+class Engine:
+    """Continuous-batching engine over the paged KV memory core."""
+
+    def __init__(
+        self,
+        executor: Executor,
+        config: EngineConfig | None = None,
+        *,
+        tokenizer: Any = None,
+        eos_token_ids: Iterable[int] = (),
+        max_model_len: int | None = None,
+        vocab_size: int | None = None,
+        clock: Clock | None = None,
+    ) -> None:
+        self.config = config or EngineConfig()
+        self.executor = executor
+        self.tokenizer = tokenizer
+        self.clock: Clock = clock or WallClock()
+        self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
+        limits = [x for x in (self.config.max_model_len, max_model_len) if x]
+        self.max_model_len = min(limits) if limits else 1 << 30
+        self.vocab_size = vocab_size
+        self.kv = KVManager(
+            KVConfig(block_size=executor.block_size, num_device_blocks=executor.num_blocks),
+            clock=self.clock.now,
+        )
+        self.scheduler = Scheduler(self.config, self.kv, reclaim_idle=self._reclaim_idle)
+        self.stats = EngineStats()
+        self.requests: dict[str, Request] = {}
+        self.sessions: dict[str, Session] = {}
+        self._seq_ids = itertools.count()
+        self._request_ids = itertools.count()
+        self._session_ids = itertools.count()
+        self._rng = random.Random(self.config.seed)
+        self._finished_outputs: dict[str, RequestOutput] = {}
+
+    # -- construction -----------------------------------------------------------------
+
+    @classmethod
+    def from_pretrained(
+        cls, model: str | Path = "tiny", *, clock: Clock | None = None, **options: Any
+    ) -> Engine:
+        """Load a checkpoint folder (or the built-in ``tiny``) and build an engine on it."""
+        from kvpilot.model import ModelRunner
+
+        cache_dir = options.pop("cache_dir", None)
+        config = EngineConfig.from_kwargs(**options)
+        kv_memory = config.kv_memory_bytes
+        if config.kv_blocks is None and kv_memory is None:
+            kv_memory = 1 << 30
+        runner = ModelRunner(
+            model,
+            num_blocks=config.kv_blocks,
+            kv_memory_bytes=None if config.kv_blocks is not None else kv_memory,
+            block_size=config.block_size,
+            dtype=config.dtype,
+            device=config.device,
+            attention=config.attention,
+            cache_dir=cache_dir,
+        )
+        return cls(
+            runner,
+            config,
+            tokenizer=runner.tokenizer,
+            eos_token_ids=runner.eos_token_ids,
+            max_model_len=runner.max_model_len,
+            vocab_size=runner.config.vocab_size,
+            clock=clock,
+        )
+
+    # -- requests ---------------------------------------------------------------------
+
+    def encode(self, prompt: str | Seq[int], *, add_special_tokens: bool = True) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequest("this engine has no tokenizer: send token ids")
+            return list(self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
+        try:
+            tokens = [int(t) for t in prompt]
+        except (TypeError, ValueError) as exc:
+            raise InvalidRequest(f"a prompt is a string or a list of token ids: {exc}") from exc
+        if any(isinstance(t, bool) for t in prompt):
+            raise InvalidRequest("token ids must be integers, not booleans")
+        return tokens
+
+    def add_request(
+        self,
+        prompt: str | Seq[int],
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        session: Session | None = None,
+        salt: str | None = None,
+    ) -> str:
+        """Queue a request (or a session's next turn); returns its id."""
+        params = params or SamplingParams()
+        if session is not None:
+            session._check_open()
+            if session.active_request is not None:
+                raise InvalidRequest(
+                    f"session {session.session_id} is running turn {session.active_request}"
+                )
+            if params.n != 1:
+                raise InvalidRequest("n > 1 is not allowed on a session turn: fork the session")
+            salt = session.salt
+        first_turn = session is None or not session.traj.tokens
+        tokens = self.encode(prompt, add_special_tokens=first_turn)
+        if not tokens:
+            raise InvalidRequest("the prompt is empty")
+        self._validate_tokens(tokens)
+        history = len(session.traj.tokens) if session is not None else 0
+        total = history + len(tokens)
+        if total >= self.max_model_len:
+            raise PromptTooLong(
+                f"prompt of {total} tokens (history {history} + new {len(tokens)}) leaves no room "
+                f"to generate within the model context of {self.max_model_len} tokens"
+            )
+        capacity = self.kv.device.num_blocks * self.kv.block_size
+        if total + 1 > capacity:
+            raise PromptTooLong(
+                f"prompt of {total} tokens exceeds the KV pool of {capacity} tokens "
+                f"({self.kv.device.num_blocks} blocks of {self.kv.block_size})"
+            )
+        rid = request_id or f"req-{next(self._request_ids)}"
+        if rid in self.requests:
+            raise InvalidRequest(f"request id {rid!r} is already in use")
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(31)
+        request = Request(
+            request_id=rid,
+            prompt_token_ids=tokens,
+            params=params,
+            arrival_time=self.clock.now(),
+            seed=seed,
+            session_id=session.session_id if session else None,
+            salt=salt,
+            history_tokens=history,
+        )
+        if session is not None:
+            traj = session.traj
+            traj.append_tokens(tokens)
+            session.active_request = rid
+            session.turns += 1
+        else:
+            traj = self.kv.open_trajectory(salt=salt, tokens=tokens)
+        seq = Sequence(next(self._seq_ids), request, traj, index=0, seed=seed)
+        request.seqs.append(seq)
+        self.requests[rid] = request
+        self.scheduler.add(seq)
+        return rid
+
+    def _validate_tokens(self, tokens: list[int]) -> None:
+        limit = self.vocab_size
+        bad = [t for t in tokens if t < 0 or (limit is not None and t >= limit)]
+        if bad:
+            raise InvalidRequest(
+                f"token id(s) {bad[:5]} out of range [0, {limit}) for this model's vocabulary"
+            )
+
+    def abort(self, request_id: str) -> None:
+        request = self.requests.get(request_id)
+        if request is None:
+            raise InvalidRequest(f"unknown request {request_id!r}")
+        request.aborted = True
+        for seq in request.seqs:
+            if not seq.is_finished:
+                self.scheduler.remove(seq)
+                self._finish_seq(seq, "abort")
+        self._finish_request_if_done(request)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # -- the step loop ----------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled batch; returns a snapshot of every request that progressed."""
+        sched = self.scheduler.schedule()
+        for seq in sched.starved:
+            # Alone in the pool and still no block to grow into: end it rather than spin.
+            self._finish_seq(seq, "length")
+            self._finish_request_if_done(seq.request)
+        if not sched.scheduled:
+            return [self._snapshot(s.request) for s in sched.starved]
+        start = self.clock.now()
+        result = self.executor.execute(sched.works)
+        now = self.clock.now()
+        self.stats.steps += 1
+        self.stats.step_time_s += now - start
+        self.stats.prefill_tokens += sched.num_prefill_tokens
+        self.stats.decode_tokens += sched.num_decode_tokens
+        return self._process(sched, result.tokens, now)
+
+    def _process(
+        self, sched: SchedulerOutput, sampled: dict[int, list[int]], now: float
+    ) -> list[RequestOutput]:
+        block = self.kv.block_size
+        progressed: dict[str, Request] = {}
+        for item in sched.scheduled:
+            seq = item.seq
+            traj = seq.traj
+            traj.mark_computed(item.num_tokens)
+            if (
+                self.config.enable_prefix_caching
+                and traj.num_computed_tokens // block > traj.locked_tokens // block
+            ):
+                traj.commit()
+            if not item.sample:
+                continue
+            tokens = sampled[seq.seq_id]
+            request = seq.request
+            progressed[request.request_id] = request
+            if len(tokens) > 1:
+                self._fan_out(seq, tokens, now)
+            else:
+                self._append_token(seq, tokens[0], now)
+        for request in progressed.values():
+            self._finish_request_if_done(request)
+        return [self._snapshot(r) for r in progressed.values()]
+
+    def _fan_out(self, parent: Sequence, tokens: list[int], now: float) -> None:
+        """n > 1: the prompt was prefilled once; fork it so each branch decodes on its own."""
+        request = parent.request
+        request.forked = True
+        copies: list[tuple[int, int]] = []
+        children: list[Sequence] = []
+        for index in range(1, len(tokens)):
+            try:
+                fork = parent.traj.fork()
+                child_traj, copy = fork.child, fork.copy
+            except OutOfBlocks:
+                # No block for the partial tail: the branch recomputes it from the cache.
+                child_traj, copy = self.kv.open_trajectory(request.salt, parent.traj.tokens), None
+            if copy is not None:
+                copies.append(copy)
+            child = Sequence(
+                next(self._seq_ids), request, child_traj, index=index, seed=request.seed + index
+            )
+            child.prefix_reused = child_traj.num_computed_tokens > 0
+            request.seqs.append(child)
+            children.append(child)
+            self.stats.forks += 1
+        if copies:
+            self.executor.copy_blocks(copies)
+            self.stats.fork_copied_blocks += len(copies)
+        for child in children:
+            if child.traj.num_computed_tokens:
+                child.status = SeqStatus.RUNNING
+                self.scheduler.running.append(child)
+            else:
+                self.scheduler.add(child)
+        self._append_token(parent, tokens[0], now)
+        for child, token in zip(children, tokens[1:], strict=True):
+            self._append_token(child, token, now)
+
+    def _append_token(self, seq: Sequence, token: int, now: float) -> None:
+        seq.traj.append_tokens([token])
+        seq.output_token_ids.append(token)
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+            if seq.index == 0:
+                self.stats.ttft_s.append(now - seq.request.arrival_time)
+        else:
+            self.stats.itl_s.append(now - (seq.last_token_time or now))
+        seq.last_token_time = now
+        self.stats.generated_tokens += 1
+        reason = self._stop_reason(seq, token)
+        if reason is not None:
+            self.scheduler.remove(seq)
+            self._finish_seq(seq, reason)
+
+    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        params = seq.request.params
+        if token in params.stop_token_ids or (
+            token in self.eos_token_ids and not params.ignore_eos
+        ):
+            return "stop"
+        if params.stop and self.tokenizer is not None:
+            text = self._decode(seq.output_token_ids)
+            window = len(seq.output_text) - max(len(s) for s in params.stop)
+            cut = _find_stop(text, params.stop, max(0, window))
+            seq.output_text = text if cut is None else text[:cut]
+            if cut is not None:
+                seq.detok_offset = -1  # text is final
+                return "stop"
+        if len(seq.output_token_ids) >= params.max_tokens:
+            return "length"
+        if len(seq.traj.tokens) >= self.max_model_len:
+            return "length"
+        return None
+
+    def _finish_seq(self, seq: Sequence, reason: str) -> None:
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+        seq.finish_time = self.clock.now()
+        request = seq.request
+        session = self.sessions.get(request.session_id) if request.session_id else None
+        if session is not None and seq.traj is session.traj:
+            seq.traj.finish_turn()
+        elif self.config.enable_prefix_caching:
+            seq.traj.close()
+        else:
+            seq.traj.release_kv(keep_in_cache=False)
+            seq.traj.close()
+
+    def _finish_request_if_done(self, request: Request) -> None:
+        if not request.finished or request.request_id in self._finished_outputs:
+            return
+        self.stats.requests_finished += 1
+        self.stats.prompt_tokens += request.history_tokens + len(request.prompt_token_ids)
+        self.stats.cached_tokens += request.cached_tokens
+        self.stats.e2e_s.append(self.clock.now() - request.arrival_time)
+        output = self._snapshot(request)
+        self._finished_outputs[request.request_id] = output
+        if request.session_id is not None:
+            session = self.sessions.get(request.session_id)
+            if session is not None:
+                session.active_request = None
+                session.last_used = self.clock.now()
+                session.last_output = output
+        del self.requests[request.request_id]
+
+    # -- outputs ----------------------------------------------------------------------
+
+    def _decode(self, token_ids: Seq[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+
+    def _text(self, seq: Sequence) -> str:
+        if seq.detok_offset == -1:
+            return seq.output_text
+        if seq.detok_offset != len(seq.output_token_ids):
+            seq.output_text = self._decode(seq.output_token_ids)
+            seq.detok_offset = len(seq.output_token_ids)
+        return seq.output_text
+
+    def _snapshot(self, request: Request) -> RequestOutput:
+        if request.request_id in self._finished_outputs:
+            return self._finished_outputs[request.request_id]
+        outputs = tuple(
+            CompletionOutput(s.index, self._text(s), tuple(s.output_token_ids), s.finish_reason)
+            for s in sorted(request.seqs, key=lambda s: s.index)
+        )
+        firsts = [s.first_token_time for s in request.seqs if s.first_token_time is not None]
+        done = [s.finish_time for s in request.seqs if s.finish_time is not None]
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt_token_ids=tuple(request.prompt_token_ids),
+            prompt_tokens=request.history_tokens + len(request.prompt_token_ids),
+            cached_tokens=request.cached_tokens,
+            outputs=outputs,
+            finished=request.finished,
+            arrival_time=request.arrival_time,
+            first_token_time=min(firsts) if firsts else None,
+            finish_time=max(done) if request.finished and done else None,
+            session_id=request.session_id,
+        )
+
+    def get_output(self, request_id: str) -> RequestOutput:
+        if request_id in self._finished_outputs:
+            return self._finished_outputs[request_id]
+        request = self.requests.get(request_id)
+        if request is None:
+            raise InvalidRequest(f"unknown request {request_id!r}")
+        return self._snapshot(request)
+
+    def pop_output(self, request_id: str) -> RequestOutput:
+        """The finished output of a request, forgotten afterwards."""
+        return self._finished_outputs.pop(request_id)
+
+    def run_until_finished(self, request_id: str) -> RequestOutput:
+        while request_id not in self._finished_outputs:
+            if not self.has_unfinished():
+                raise InvalidRequest(f"request {request_id!r} is not running")
+            self.step()
+        return self.pop_output(request_id)
+
+    def generate(
+        self,
+        prompts: str | Seq[int] | Seq[str] | Seq[Seq[int]],
+        params: SamplingParams | Seq[SamplingParams] | None = None,
+        *,
+        salt: str | None = None,
+    ) -> list[RequestOutput]:
+        """Run a batch of prompts to completion; outputs in the order given."""
+        batch = _as_prompt_list(prompts)
+        if params is None or isinstance(params, SamplingParams):
+            plist = [params or SamplingParams()] * len(batch)
+        else:
+            plist = list(params)
+            if len(plist) != len(batch):
+                raise InvalidRequest("give one SamplingParams, or one per prompt")
+        ids = [self.add_request(p, sp, salt=salt) for p, sp in zip(batch, plist, strict=True)]
+        while any(rid not in self._finished_outputs for rid in ids):
+            self.step()
+        return [self.pop_output(rid) for rid in ids]
+
+    # -- sessions ---------------------------------------------------------------------
+
+    def open_session(self, salt: str | None = None, session_id: str | None = None) -> Session:
+        sid = session_id or f"sess-{next(self._session_ids)}"
+        if sid in self.sessions:
+            raise InvalidRequest(f"session id {sid!r} is already in use")
+        session = Session(self, sid, self.kv.open_trajectory(salt=salt), salt)
+        self.sessions[sid] = session
+        return session
+
+    def get_session(self, session_id: str) -> Session:
+        session = self.sessions.get(session_id)
+        if session is None:
+            raise InvalidRequest(f"unknown session {session_id!r}")
+        return session
+
+    def fork_session(self, session: Session, n: int = 1) -> list[Session]:
+        session._check_open()
+        if session.active_request is not None:
+            raise InvalidRequest("cannot fork a session while a turn is running")
+        if n < 1:
+            raise InvalidRequest("fork needs n >= 1")
+        forks: list[Session] = []
+        copies: list[tuple[int, int]] = []
+        for _ in range(n):
+            try:
+                result = session.traj.fork()
+                traj = result.child
+                if result.copy is not None:
+                    copies.append(result.copy)
+            except OutOfBlocks:
+                session.traj.commit()
+                traj = self.kv.open_trajectory(session.salt, session.traj.tokens)
+            sid = f"{session.session_id}.{next(self._session_ids)}"
+            child = Session(self, sid, traj, session.salt)
+            child.turns = session.turns
+            self.sessions[sid] = child
+            forks.append(child)
+        if copies:
+            self.executor.copy_blocks(copies)
+            self.stats.fork_copied_blocks += len(copies)
+        self.stats.forks += n
+        return forks
+
+    def close_session(self, session: Session) -> None:
+        if session.closed:
+            return
+        if session.active_request is not None:
+            self.abort(session.active_request)
+        session.traj.close()
+        session.closed = True
+        self.sessions.pop(session.session_id, None)
+
+    def _reclaim_idle(self, blocks_wanted: int) -> int:
+        """Release the least recently used idle session's KV (it stays in the prefix cache)."""
+        idle = [
+            s
+            for s in self.sessions.values()
+            if s.idle and (s.traj.num_computed_tokens or s.traj.block_table)
+        ]
+        if not idle:
+            return 0
+        victim = min(idle, key=lambda s: s.last_used)
+        victim.traj.release_kv(keep_in_cache=self.config.enable_prefix_caching)
+        return 1
+
+    # -- checks -----------------------------------------------------------------------
+
+    def check_invariants(self) -> None:
+        self.kv.check_invariants()
+        for seq in self.scheduler.running:
+            assert seq.status is SeqStatus.RUNNING, f"seq {seq.seq_id} in running is {seq.status}"
+            assert seq.traj.num_computed_tokens <= len(seq.traj.tokens)
+        for seq in self.scheduler.waiting:
+            assert seq.status is SeqStatus.WAITING
+        assert len(set(map(id, self.scheduler.running))) == len(self.scheduler.running)
+
+    def open_trajectories(self) -> list[Trajectory]:
+        return list(self.kv.trajectories.values())
+
+
+def _find_stop(text: str, stops: Seq[str], start: int) -> int | None:
+    cuts = [i for s in stops if (i := text.find(s, start)) != -1]
+    return min(cuts) if cuts else None
+
+
+def _as_prompt_list(prompts: Any) -> list[str | list[int]]:
+    if isinstance(prompts, str):
+        return [prompts]
+    items = list(prompts)
+    if items and all(isinstance(t, int) for t in items):
+        return [items]
+    return [p if isinstance(p, str) else list(p) for p in items]

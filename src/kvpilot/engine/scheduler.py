@@ -1,0 +1,193 @@
+"""Continuous batching under a token budget, with chunked prefill, admission and preemption.
+
+Torch-free: the real engine and the simulator drive this same code.
+
+One step, in order (the spec's token-budget scheduling, eq. in "Token-budget scheduling"):
+
+1. Running sequences, oldest admission first: a decode costs one token, an unfinished
+   prefill takes a chunk of at most ``max_prefill_chunk`` tokens, until the budget is spent.
+   A sequence that cannot get a KV block first makes idle session state give way, then
+   preempts by recompute the most recently admitted running sequence (possibly itself).
+   Victims go back to the *front* of the waiting queue, so no request starves.
+2. Waiting sequences, first come first served, while KV usage is below ``tau_high``,
+   blocks are available and the budget lasts. On admission a sequence reuses the longest
+   cached prefix of its tokens from the radix cache.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvpilot.engine.config import EngineConfig
+from kvpilot.engine.executor import SeqWork
+from kvpilot.engine.request import SeqStatus, Sequence
+from kvpilot.errors import OutOfBlocks
+from kvpilot.memory import KVManager
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledSeq:
+    seq: Sequence
+    num_tokens: int
+    sample: bool
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq]
+    works: list[SeqWork]
+    preempted: list[Sequence]
+    starved: list[Sequence]  # cannot grow even alone in the pool: the engine ends them
+    num_batched_tokens: int
+    num_prefill_tokens: int
+    num_decode_tokens: int
+
+    @property
+    def empty(self) -> bool:
+        return not self.scheduled and not self.starved
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: EngineConfig,
+        kv: KVManager,
+        reclaim_idle: Callable[[int], int] | None = None,
+    ) -> None:
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        # Called with a number of blocks wanted; releases idle (between-turn) session KV and
+        # returns how many trajectories it released. The engine supplies it.
+        self.reclaim_idle = reclaim_idle
+
+    # -- queue management -------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.WAITING
+        self.waiting.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def held_usage(self) -> float:
+        """Device KV usage counting only blocks that cannot be evicted right now."""
+        total = self.kv.device.num_blocks
+        return (total - self.kv.free_blocks()) / total
+
+    # -- one step ---------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        cfg = self.config
+        budget = cfg.max_num_batched_tokens
+        scheduled: list[ScheduledSeq] = []
+        preempted: list[Sequence] = []
+        starved: list[Sequence] = []
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = self._chunk(seq, budget)
+            if not self._try_allocate(seq, n):
+                if len(self.running) == 1:
+                    self.running.remove(seq)
+                    starved.append(seq)
+                    break
+                if not self._preempt_until_allocated(seq, n, preempted):
+                    break  # seq preempted itself: everything after it is gone too
+            scheduled.append(ScheduledSeq(seq, n, n == seq.remaining_tokens))
+            budget -= n
+            i += 1
+
+        while (
+            self.waiting
+            and budget > 0
+            and not preempted
+            and len(self.running) < cfg.max_num_seqs
+            and self.held_usage() < cfg.tau_high
+        ):
+            seq = self.waiting[0]
+            if cfg.enable_prefix_caching:
+                seq.traj.reuse_prefix(record=not seq.prefix_reused)
+            seq.prefix_reused = True
+            n = self._chunk(seq, budget)
+            if not self._try_allocate(seq, n):
+                # Hold nothing while waiting: locked prefixes would pin blocks others need.
+                seq.traj.release_kv(keep_in_cache=cfg.enable_prefix_caching)
+                break
+            if seq.index == 0 and seq.num_preemptions == 0 and not seq.output_token_ids:
+                seq.request.cached_tokens = seq.traj.num_computed_tokens
+            self.waiting.popleft()
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            scheduled.append(ScheduledSeq(seq, n, n == seq.remaining_tokens))
+            budget -= n
+
+        works = [self._work(s) for s in scheduled]
+        prefill = sum(s.num_tokens for s in scheduled if s.num_tokens > 1 or not s.sample)
+        total = sum(s.num_tokens for s in scheduled)
+        return SchedulerOutput(
+            scheduled, works, preempted, starved, total, prefill, total - prefill
+        )
+
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        remaining = seq.remaining_tokens
+        if not self.config.chunked_prefill:
+            return remaining
+        return max(1, min(remaining, self.config.max_prefill_chunk, budget))
+
+    def _try_allocate(self, seq: Sequence, n: int) -> bool:
+        """Allocate blocks for n more tokens, letting idle session state give way first."""
+        while True:
+            try:
+                seq.traj.allocate(n)
+                return True
+            except OutOfBlocks:
+                if self.reclaim_idle is None or not self.reclaim_idle(seq.traj.blocks_needed(n)):
+                    return False
+
+    def _preempt_until_allocated(self, seq: Sequence, n: int, preempted: list[Sequence]) -> bool:
+        """Preempt the most recently admitted sequences until ``seq`` gets its blocks."""
+        while True:
+            victim = self.running[-1]
+            self._preempt(victim)
+            preempted.append(victim)
+            if victim is seq:
+                return False
+            if self._try_allocate(seq, n):
+                return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        seq.traj.release_kv(keep_in_cache=self.config.enable_prefix_caching)
+        self.running.remove(seq)
+        seq.status = SeqStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def _work(self, s: ScheduledSeq) -> SeqWork:
+        seq = s.seq
+        traj = seq.traj
+        start = traj.num_computed_tokens
+        req = seq.request
+        fan_out = req.params.n if (req.params.n > 1 and not req.forked) else 1
+        return SeqWork(
+            seq_id=seq.seq_id,
+            token_ids=traj.tokens[start : start + s.num_tokens],
+            start_pos=start,
+            block_table=traj.block_table,  # not copied: executors read it during the call only
+            sampling=req.params if s.sample else None,
+            step=len(seq.output_token_ids),
+            seed=seq.seed,
+            sample_count=fan_out,
+        )

@@ -1,0 +1,30 @@
+"""The paged KV memory core: block pools per tier, radix prefix cache, trajectories.
+
+Pure Python + NumPy (no torch), so the simulator and the engine share it.
+"""
+
+from __future__ import annotations
+
+from kvpilot.memory.block_pool import BlockPool
+from kvpilot.memory.hashing import block_hash, chain_hashes, root_hash
+from kvpilot.memory.manager import KVConfig, KVManager
+from kvpilot.memory.radix import InsertResult, MatchResult, RadixCache, RadixNode, RadixStats
+from kvpilot.memory.tiers import Tier
+from kvpilot.memory.trajectory import ForkResult, Trajectory
+
+__all__ = [
+    "BlockPool",
+    "ForkResult",
+    "InsertResult",
+    "KVConfig",
+    "KVManager",
+    "MatchResult",
+    "RadixCache",
+    "RadixNode",
+    "RadixStats",
+    "Tier",
+    "Trajectory",
+    "block_hash",
+    "chain_hashes",
+    "root_hash",
+]

@@ -1,0 +1,151 @@
+"""A fixed-capacity pool of KV blocks in one tier: LIFO free list plus reference counts."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+
+from kvpilot.errors import ConfigError, OutOfBlocks
+from kvpilot.memory.tiers import Tier
+
+
+class BlockPool:
+    """Blocks are ids ``0 .. num_blocks - 1``.
+
+    Invariant: a block is on the free list exactly when its refcount is 0. The free list is
+    LIFO so a just-freed block (still warm in caches, still mapped) is reused first.
+    """
+
+    __slots__ = ("_free", "_refcounts", "num_blocks", "tier")
+
+    def __init__(self, num_blocks: int, tier: Tier = Tier.DEVICE) -> None:
+        if num_blocks < 0:
+            raise ConfigError(f"{tier} pool: num_blocks must be >= 0, got {num_blocks}")
+        self.tier = tier
+        self.num_blocks = num_blocks
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))
+        self._refcounts = np.zeros(num_blocks, dtype=np.int32)
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    @property
+    def usage(self) -> float:
+        """U_KV: fraction of the pool's blocks in use (0.0 for an empty pool)."""
+        return self.num_used / self.num_blocks if self.num_blocks else 0.0
+
+    def can_allocate(self, n: int) -> bool:
+        return 0 <= n <= len(self._free)
+
+    def allocate(self, n: int = 1) -> list[int]:
+        if n < 0:
+            raise ValueError(f"cannot allocate a negative number of blocks ({n})")
+        free = self._free
+        if n > len(free):
+            raise OutOfBlocks(self.tier, n, len(free))
+        if n == 0:
+            return []
+        blocks = free[-n:]
+        del free[-n:]
+        blocks.reverse()
+        if n == 1:
+            self._refcounts[blocks[0]] = 1
+        else:
+            self._refcounts[blocks] = 1
+        return blocks
+
+    def _in_use(self, block: int) -> int:
+        if not 0 <= block < self.num_blocks:
+            raise ValueError(
+                f"{self.tier} pool: block {block} is out of range 0..{self.num_blocks}"
+            )
+        count = int(self._refcounts[block])
+        if count <= 0:
+            raise ValueError(f"{self.tier} pool: block {block} is free; it must be allocated first")
+        return count
+
+    def incref(self, block: int) -> None:
+        self._in_use(block)
+        self._refcounts[block] += 1
+
+    def incref_many(self, blocks: Sequence[int]) -> None:
+        """incref each of ``blocks`` (distinct ids, all in use) in one vectorised step."""
+        if len(blocks) < 8:
+            for block in blocks:
+                self.incref(block)
+            return
+        idx = np.fromiter(blocks, dtype=np.intp, count=len(blocks))
+        self._check_all_in_use(idx, blocks)
+        self._refcounts[idx] += 1
+
+    def decref(self, block: int) -> bool:
+        count = self._in_use(block) - 1
+        self._refcounts[block] = count
+        if count == 0:
+            self._free.append(block)
+            return True
+        return False
+
+    def decref_many(self, blocks: Sequence[int]) -> int:
+        """decref each of ``blocks`` (distinct ids, all in use); returns how many became free."""
+        if len(blocks) < 8:
+            return sum(self.decref(block) for block in blocks)
+        idx = np.fromiter(blocks, dtype=np.intp, count=len(blocks))
+        self._check_all_in_use(idx, blocks)
+        refs = self._refcounts
+        refs[idx] -= 1
+        freed = idx[refs[idx] == 0]
+        self._free.extend(freed.tolist())
+        return len(freed)
+
+    def _check_all_in_use(self, idx: np.ndarray, blocks: Sequence[int]) -> None:
+        if idx.min() < 0 or idx.max() >= self.num_blocks or (self._refcounts[idx] <= 0).any():
+            bad = next(b for b in blocks if not 0 <= b < self.num_blocks or self.refcount(b) <= 0)
+            self._in_use(bad)
+
+    def free(self, blocks: Iterable[int]) -> None:
+        for block in blocks:
+            self.decref(block)
+
+    def refcount(self, block: int) -> int:
+        if not 0 <= block < self.num_blocks:
+            raise ValueError(
+                f"{self.tier} pool: block {block} is out of range 0..{self.num_blocks}"
+            )
+        return int(self._refcounts[block])
+
+    def refcounts(self) -> np.ndarray:
+        """A read-only view of every block's refcount (for invariant checks and telemetry)."""
+        view = self._refcounts.view()
+        view.flags.writeable = False
+        return view
+
+    def check_invariants(self) -> None:
+        free = self._free
+        refs = self._refcounts
+        if len(set(free)) != len(free):
+            raise AssertionError(f"{self.tier} pool: a block is on the free list twice")
+        if free and not (min(free) >= 0 and max(free) < self.num_blocks):
+            raise AssertionError(f"{self.tier} pool: free list holds an out-of-range block")
+        if (refs < 0).any():
+            raise AssertionError(
+                f"{self.tier} pool: negative refcount on block {int(np.argmin(refs))}"
+            )
+        on_free = np.zeros(self.num_blocks, dtype=bool)
+        on_free[free] = True
+        leaked = np.flatnonzero(~on_free & (refs == 0))
+        if leaked.size:
+            raise AssertionError(
+                f"{self.tier} pool: block {int(leaked[0])} has refcount 0 but is not free"
+            )
+        busy = np.flatnonzero(on_free & (refs != 0))
+        if busy.size:
+            raise AssertionError(
+                f"{self.tier} pool: free block {int(busy[0])} has a nonzero refcount"
+            )

@@ -1,0 +1,134 @@
+"""The KV manager: one pool per tier, the radix prefix cache, and the open trajectories."""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvpilot.errors import ConfigError
+from kvpilot.memory.block_pool import BlockPool
+from kvpilot.memory.radix import RadixCache, RadixNode
+from kvpilot.memory.tiers import Tier
+from kvpilot.memory.trajectory import Trajectory
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class KVConfig:
+    block_size: int = 16
+    num_device_blocks: int
+    num_host_blocks: int = 0
+    num_disk_blocks: int = 0
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ConfigError(f"block_size must be >= 1 token, got {self.block_size}")
+        if self.num_device_blocks < 1:
+            raise ConfigError(f"num_device_blocks must be >= 1, got {self.num_device_blocks}")
+        if self.num_host_blocks < 0 or self.num_disk_blocks < 0:
+            raise ConfigError(
+                f"num_host_blocks and num_disk_blocks must be >= 0, got "
+                f"{self.num_host_blocks} and {self.num_disk_blocks}"
+            )
+
+
+class KVManager:
+    """Owns the pools (one per tier), the radix cache and the open trajectories."""
+
+    def __init__(self, config: KVConfig, clock: Callable[[], float] | None = None) -> None:
+        self.config = config
+        self.block_size = config.block_size
+        sizes = {
+            Tier.DEVICE: config.num_device_blocks,
+            Tier.HOST: config.num_host_blocks,
+            Tier.DISK: config.num_disk_blocks,
+        }
+        self.pools: dict[Tier, BlockPool] = {
+            tier: BlockPool(n, tier) for tier, n in sizes.items() if n > 0
+        }
+        self.device = self.pools[Tier.DEVICE]
+        self.radix = RadixCache(config.block_size, self.pools, clock)
+        self.trajectories: dict[int, Trajectory] = {}
+        self._ids = itertools.count()
+
+    def open_trajectory(self, salt: str | None = None, tokens: Iterable[int] = ()) -> Trajectory:
+        traj = Trajectory(self, self._next_trajectory_id(), salt, tokens)
+        self._register(traj)
+        return traj
+
+    def _next_trajectory_id(self) -> int:
+        return next(self._ids)
+
+    def _register(self, traj: Trajectory) -> None:
+        self.trajectories[traj.traj_id] = traj
+
+    def _deregister(self, traj: Trajectory) -> None:
+        self.trajectories.pop(traj.traj_id, None)
+
+    def free_blocks(self) -> int:
+        """Device blocks admission can count on: free now plus evictable from the cache."""
+        return self.device.num_free + self.radix.evictable_blocks(Tier.DEVICE)
+
+    def ensure_free(self, n: int) -> bool:
+        short = n - self.device.num_free
+        if short <= 0:
+            return True
+        if n > self.free_blocks():
+            return False
+        self.radix.evict(short)
+        return self.device.num_free >= n
+
+    @property
+    def usage(self) -> float:
+        """Device U_KV; cached-but-evictable blocks count as used."""
+        return self.device.usage
+
+    def check_invariants(self) -> None:
+        for pool in self.pools.values():
+            pool.check_invariants()
+        self.radix.check_invariants()
+        expected = {
+            tier: np.zeros(pool.num_blocks, dtype=np.int64) for tier, pool in self.pools.items()
+        }
+        indexed_device: set[int] = set()
+        for node in self.radix.iter_nodes():
+            for tier, ids in node.blocks.items():
+                expected[tier][ids] += 1
+            indexed_device.update(node.blocks.get(Tier.DEVICE, ()))
+        locks: Counter[RadixNode] = Counter()
+        for traj_id, traj in self.trajectories.items():
+            _require(traj.traj_id == traj_id, f"trajectory {traj.traj_id} registered as {traj_id}")
+            _require(not traj.closed, f"closed trajectory {traj_id} is still registered")
+            traj.check_invariants()
+            expected[Tier.DEVICE][traj.block_table] += 1
+            shared = traj.locked_tokens // self.block_size
+            private = set(traj.block_table[shared:])
+            _require(
+                not private & indexed_device,
+                f"trajectory {traj_id} holds a private block that the radix indexes",
+            )
+            node: RadixNode | None = traj.locked_node
+            while node is not None:
+                locks[node] += 1
+                node = node.parent
+        for tier, pool in self.pools.items():
+            wrong = np.flatnonzero(pool.refcounts() != expected[tier])
+            if wrong.size:
+                b = int(wrong[0])
+                raise AssertionError(
+                    f"{tier} block {b}: refcount {pool.refcount(b)}, but radix and trajectories "
+                    f"hold {int(expected[tier][b])} references"
+                )
+        for node in self.radix.iter_nodes():
+            _require(
+                node.lock_count == locks[node],
+                f"{node!r}: lock count {node.lock_count}, trajectories lock it {locks[node]} times",
+            )
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise AssertionError(message)

@@ -1,0 +1,279 @@
+"""An agent session's KV state: its tokens, the radix path it locks, and its private blocks."""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kvpilot.errors import InvalidRequest
+from kvpilot.memory.radix import RadixNode, as_token_array
+from kvpilot.memory.tiers import Tier
+
+if TYPE_CHECKING:
+    from kvpilot.memory.manager import KVManager
+
+
+@dataclass(frozen=True, slots=True)
+class ForkResult:
+    child: Trajectory
+    copy: tuple[int, int] | None
+
+
+class Trajectory:
+    """An agent session's KV state. Tokens are the truth; KV is derivative.
+
+    ``block_table[i]`` holds KV of positions ``[i*B, (i+1)*B)``. The first
+    ``locked_tokens // B`` entries are the blocks of the radix path it locks (shared); the
+    rest are private. The trajectory holds one reference on every block of its table, shared
+    or private, and one lock on ``locked_node`` (a root when nothing is cached) while open::
+
+        block_table: [ 7 | 3 | 12 | 1 | 9 ]      B = 4, num_computed_tokens = 18
+                      \\__ locked path __/ \\_ private partial tail (2 of 4 slots valid)
+
+    Extend ``tokens`` with ``append_tokens`` (plain appends to the list are picked up too).
+    """
+
+    def __init__(
+        self,
+        manager: KVManager,
+        traj_id: int,
+        salt: str | None = None,
+        tokens: Iterable[int] = (),
+    ) -> None:
+        self._manager = manager
+        self._radix = manager.radix
+        self._pool = manager.device
+        self._bs = manager.block_size
+        self.traj_id = traj_id
+        self.salt = salt
+        self._buf = array("i")
+        self.tokens: list[int] = []
+        self.block_table: list[int] = []
+        self.num_computed_tokens = 0
+        self.prompt_tokens_total = 0
+        self.hit_tokens_total = 0
+        self.closed = False
+        self.append_tokens(tokens)
+        self.locked_node: RadixNode = self._radix.root(salt)
+        self._radix.lock(self.locked_node)
+
+    # ---- state ---------------------------------------------------------------------------
+
+    @property
+    def locked_tokens(self) -> int:
+        return self.locked_node.depth_tokens
+
+    @property
+    def num_private_blocks(self) -> int:
+        return len(self.block_table) - self.locked_node.depth_tokens // self._bs
+
+    @property
+    def hit_rate(self) -> float:
+        """Equation 2 over this trajectory's turns."""
+        return self.hit_tokens_total / self.prompt_tokens_total if self.prompt_tokens_total else 0.0
+
+    def __repr__(self) -> str:
+        return (
+            f"Trajectory(id={self.traj_id}, salt={self.salt!r}, tokens={len(self.tokens)}, "
+            f"computed={self.num_computed_tokens}, locked={self.locked_tokens}, "
+            f"blocks={len(self.block_table)}, closed={self.closed})"
+        )
+
+    def _require_open(self) -> None:
+        if self.closed:
+            raise InvalidRequest(f"trajectory {self.traj_id} is closed; open a new one")
+
+    def _sync(self) -> None:
+        """Bring the int32 mirror of ``tokens`` up to date after direct list appends."""
+        buf = self._buf
+        if len(buf) < len(self.tokens):
+            buf.extend(as_token_array(self.tokens[len(buf) :]))
+        elif len(buf) > len(self.tokens):
+            self._buf = array("i", as_token_array(self.tokens))
+
+    def _lock_to(self, node: RadixNode) -> None:
+        old = self.locked_node
+        if node is old:
+            return
+        self._radix.lock(node)
+        self._radix.unlock(old)
+        self.locked_node = node
+
+    # ---- turns ---------------------------------------------------------------------------
+
+    def append_tokens(self, tokens: Iterable[int]) -> None:
+        self._require_open()
+        new = as_token_array(tokens if isinstance(tokens, Sequence) else list(tokens))
+        self._sync()
+        self._buf.extend(new)
+        self.tokens.extend(new)
+
+    def reuse_prefix(self, *, record: bool = True) -> int:
+        """Adopt the longest cached prefix; returns num_computed_tokens (the cached tokens).
+
+        ``record=False`` leaves the hit statistics alone (a retry of the same admission).
+        """
+        self._require_open()
+        self._sync()
+        n = len(self.tokens)
+        match = self._radix.match(self._buf[: max(n - 1, 0)], self.salt, record=False)
+        if match.num_tokens > self.num_computed_tokens:
+            shared = self.locked_node.depth_tokens // self._bs
+            new_blocks = match.blocks(Tier.DEVICE)
+            self._lock_to(match.node)
+            table = self.block_table
+            pool = self._pool
+            overlap = min(len(table), len(new_blocks))
+            for i in range(shared, overlap):
+                if table[i] != new_blocks[i]:
+                    pool.incref(new_blocks[i])
+                    pool.decref(table[i])
+                    table[i] = new_blocks[i]
+            extra = new_blocks[overlap:]
+            pool.incref_many(extra)
+            table.extend(extra)
+            self.num_computed_tokens = match.num_tokens
+        if record:
+            self.prompt_tokens_total += n
+            self.hit_tokens_total += self.num_computed_tokens
+            stats = self._radix.stats
+            stats.queried_tokens += n
+            stats.hit_tokens += self.num_computed_tokens
+        return self.num_computed_tokens
+
+    def blocks_needed(self, num_new_tokens: int) -> int:
+        if num_new_tokens < 0:
+            raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
+        covered = -(-(self.num_computed_tokens + num_new_tokens) // self._bs)
+        return max(0, covered - len(self.block_table))
+
+    def allocate(self, num_new_tokens: int) -> None:
+        self._require_open()
+        need = self.blocks_needed(num_new_tokens)
+        if need == 0:
+            return
+        pool = self._pool
+        if pool.num_free < need:
+            self._radix.evict(need - pool.num_free)
+        self.block_table.extend(pool.allocate(need))
+
+    def mark_computed(self, n: int) -> None:
+        self._require_open()
+        done = self.num_computed_tokens + n
+        if n < 0 or done > len(self.tokens):
+            raise ValueError(
+                f"trajectory {self.traj_id}: cannot mark {n} tokens computed "
+                f"({self.num_computed_tokens} computed of {len(self.tokens)} tokens)"
+            )
+        if done > len(self.block_table) * self._bs:
+            raise ValueError(
+                f"trajectory {self.traj_id}: {done} computed tokens need "
+                f"{-(-done // self._bs)} blocks, table has {len(self.block_table)}; allocate first"
+            )
+        self.num_computed_tokens = done
+
+    def commit(self) -> int:
+        self._require_open()
+        bs = self._bs
+        n_full = self.num_computed_tokens // bs
+        shared = self.locked_node.depth_tokens // bs
+        if n_full <= shared:
+            return 0
+        self._sync()
+        table = self.block_table
+        tokens = self._buf[shared * bs : n_full * bs]
+        if self._radix.extend_leaf(self.locked_node, tokens, table[shared:n_full]):
+            return n_full - shared
+        result = self._radix.insert_below(self.locked_node, tokens, table[shared:n_full])
+        pool = self._pool
+        for i, block in enumerate(result.blocks, start=shared):
+            if table[i] != block:
+                pool.incref(block)
+                pool.decref(table[i])
+                table[i] = block
+        self._lock_to(result.node)
+        return result.num_new_blocks
+
+    def finish_turn(self) -> None:
+        self.commit()
+
+    def fork(self) -> ForkResult:
+        """Figure 5: the child shares every full block and gets its own copy of the partial tail."""
+        self._require_open()
+        self.commit()
+        n_full, tail = divmod(self.num_computed_tokens, self._bs)
+        pool = self._pool
+        dst: int | None = None
+        if tail:
+            if pool.num_free < 1:
+                self._radix.evict(1)
+            dst = pool.allocate(1)[0]
+        self._sync()
+        manager = self._manager
+        child = Trajectory(manager, manager._next_trajectory_id(), self.salt)
+        child._buf = array("i", self._buf)
+        child.tokens = list(self.tokens)
+        shared = self.block_table[:n_full]
+        pool.incref_many(shared)
+        child.block_table = shared if dst is None else [*shared, dst]
+        child._lock_to(self.locked_node)
+        child.num_computed_tokens = self.num_computed_tokens
+        manager._register(child)
+        copy = None if dst is None else (self.block_table[n_full], dst)
+        return ForkResult(child, copy)
+
+    def release_kv(self, keep_in_cache: bool = True) -> None:
+        self._require_open()
+        if keep_in_cache:
+            self.commit()
+        table = self.block_table
+        self.block_table = []
+        self.num_computed_tokens = 0
+        self._lock_to(self._radix.root(self.salt))
+        self._pool.decref_many(table)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.release_kv(keep_in_cache=True)
+        self._radix.unlock(self.locked_node)
+        self.closed = True
+        self._manager._deregister(self)
+
+    # ---- integrity -----------------------------------------------------------------------
+
+    def check_invariants(self) -> None:
+        if self.closed:
+            _require(not self.block_table, f"closed trajectory {self.traj_id} holds blocks")
+            _require(self.num_computed_tokens == 0, f"closed trajectory {self.traj_id} has KV")
+            return
+        bs = self._bs
+        tid = self.traj_id
+        mirror = self._buf.tolist()
+        _require(mirror == self.tokens[: len(mirror)], f"trajectory {tid}: token mirror diverged")
+        node = self.locked_node
+        _require(node.alive, f"trajectory {tid} locks an evicted node")
+        top = node
+        while top.parent is not None:
+            top = top.parent
+        _require(top is self._radix.root(self.salt), f"trajectory {tid} locks another salt's path")
+        computed = self.num_computed_tokens
+        _require(computed <= len(self.tokens), f"trajectory {tid}: computed beyond its tokens")
+        _require(computed <= len(self.block_table) * bs, f"trajectory {tid}: KV not covered")
+        _require(node.depth_tokens <= computed, f"trajectory {tid}: locked path beyond computed")
+        shared = node.depth_tokens // bs
+        _require(
+            self.block_table[:shared] == node.path_blocks(Tier.DEVICE),
+            f"trajectory {tid}: shared prefix differs from its locked path's blocks",
+        )
+        _require(
+            len(set(self.block_table)) == len(self.block_table),
+            f"trajectory {tid}: a block appears twice in its table",
+        )
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise AssertionError(message)

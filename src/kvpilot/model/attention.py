@@ -1,0 +1,189 @@
+"""Attention over the paged KV pool: the backend interface and the pure-torch backend.
+
+A backend first `prepare`s a step (masks, gather indices: once per step, shared by all
+layers), then for each layer writes the step's new K/V into their slots and attends:
+
+- decodes (one query each) are batched: their blocks are gathered into a padded
+  [n, max_blocks * B] context with a length mask, one SDPA call for all of them;
+- a prefill chunk attends to its cached prefix, read through its block table, plus itself
+  causally (query i of a chunk starting at s sees keys 0 .. s + i).
+
+With a sliding window W, a query at position p also ignores keys at positions <= p - W.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvpilot.errors import ConfigError
+from kvpilot.model.batch import StepBatch
+from kvpilot.model.kv_cache import KVCache
+
+
+class AttentionBackend(ABC):
+    name: str
+
+    @abstractmethod
+    def prepare(self, batch: StepBatch, windows: Iterable[int | None]) -> object:
+        """Per-step state for `forward` (built once, reused by every layer)."""
+
+    @abstractmethod
+    def forward(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cache: KVCache,
+        batch: StepBatch,
+        state: object,
+        window: int | None,
+    ) -> torch.Tensor:
+        """q [T, H, D], k/v [T, H_kv, D] (already rotated) -> attention output [T, H, D].
+
+        Writes k/v into ``cache`` at ``batch.slot_mapping`` before attending.
+        """
+
+
+@dataclass(frozen=True, slots=True)
+class _ChunkPlan:
+    masks: dict[int | None, torch.Tensor | None]  # None mask: plain causal over fresh K/V
+
+
+@dataclass(frozen=True, slots=True)
+class _TorchStepState:
+    decode_masks: dict[int | None, torch.Tensor]  # [n_dec, 1, 1, max_blocks * B]
+    chunks: tuple[_ChunkPlan, ...]
+
+
+class TorchAttention(AttentionBackend):
+    """Portable backend (CPU and CUDA) built on `scaled_dot_product_attention`."""
+
+    name = "torch"
+
+    def prepare(self, batch: StepBatch, windows: Iterable[int | None]) -> _TorchStepState:
+        windows = tuple(dict.fromkeys(windows))
+        decode_masks: dict[int | None, torch.Tensor] = {}
+        if batch.num_decodes:
+            width = batch.decode_block_tables.shape[1] * batch.block_size
+            keys = torch.arange(width, device=batch.positions.device)[None, :]
+            query = batch.decode_positions[:, None]
+            visible = keys <= query
+            for window in windows:
+                mask = visible if window is None else visible & (keys > query - window)
+                decode_masks[window] = mask[:, None, None, :]
+        chunks = []
+        for chunk in batch.prefills:
+            masks: dict[int | None, torch.Tensor | None] = {}
+            device = batch.positions.device
+            query = torch.arange(chunk.start_pos, chunk.context_len, device=device)[:, None]
+            keys = torch.arange(chunk.context_len, device=device)[None, :]
+            for window in windows:
+                if window is None and chunk.start_pos == 0:
+                    masks[window] = None
+                    continue
+                mask = keys <= query
+                if window is not None:
+                    mask = mask & (keys > query - window)
+                masks[window] = mask[None, None]
+            chunks.append(_ChunkPlan(masks))
+        return _TorchStepState(decode_masks, tuple(chunks))
+
+    def forward(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cache: KVCache,
+        batch: StepBatch,
+        state: object,
+        window: int | None,
+    ) -> torch.Tensor:
+        assert isinstance(state, _TorchStepState)
+        key_cache, value_cache = cache.keys(layer), cache.values(layer)
+        num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
+        key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, batch.slot_mapping, k)
+        value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, batch.slot_mapping, v)
+
+        if batch.decode_token_index is None:
+            return self._decode(q, key_cache, value_cache, batch, state, window)
+        out = torch.empty_like(q)
+        if batch.num_decodes:
+            index = batch.decode_token_index
+            decoded = self._decode(
+                q.index_select(0, index), key_cache, value_cache, batch, state, window
+            )
+            out.index_copy_(0, index, decoded)
+        for chunk, plan in zip(batch.prefills, state.chunks, strict=True):
+            rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
+            mask = plan.masks[window]
+            if mask is None:
+                chunk_k, chunk_v = k[rows], v[rows]
+            else:
+                chunk_k = _gather_context(key_cache, chunk.block_ids, chunk.context_len)
+                chunk_v = _gather_context(value_cache, chunk.block_ids, chunk.context_len)
+            groups = q.shape[1] // chunk_k.shape[1]
+            expand = mask is not None and q.is_cuda and groups > 1
+            if expand:
+                # CUDA kernels that take a mask do not take grouped K/V: expand heads.
+                chunk_k = chunk_k.repeat_interleave(groups, dim=1)
+                chunk_v = chunk_v.repeat_interleave(groups, dim=1)
+            attended = F.scaled_dot_product_attention(
+                q[rows].transpose(0, 1).unsqueeze(0),
+                chunk_k.transpose(0, 1).unsqueeze(0),
+                chunk_v.transpose(0, 1).unsqueeze(0),
+                attn_mask=mask,
+                is_causal=mask is None,
+                enable_gqa=not expand,
+            )
+            out[rows] = attended[0].transpose(0, 1)
+        return out
+
+    @staticmethod
+    def _decode(
+        q: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        batch: StepBatch,
+        state: _TorchStepState,
+        window: int | None,
+    ) -> torch.Tensor:
+        n, num_heads, head_dim = q.shape
+        num_kv_heads = key_cache.shape[2]
+        tables = batch.decode_block_tables
+        width = tables.shape[1] * batch.block_size
+        flat_tables = tables.view(-1)
+        # index_select copies whole blocks; advanced indexing is ~5x slower on CPU.
+        keys = key_cache.index_select(0, flat_tables).view(n, width, num_kv_heads, head_dim)
+        values = value_cache.index_select(0, flat_tables).view(n, width, num_kv_heads, head_dim)
+        keys, values = keys.transpose(1, 2), values.transpose(1, 2)
+        # One query per sequence: the G query heads sharing a KV head ride in the
+        # query-length dimension, so grouped-query attention needs no K/V expansion.
+        grouped = q.view(n, num_kv_heads, num_heads // num_kv_heads, head_dim)
+        out = F.scaled_dot_product_attention(
+            grouped, keys, values, attn_mask=state.decode_masks[window]
+        )
+        return out.reshape(n, num_heads, head_dim)
+
+
+def _gather_context(cache: torch.Tensor, block_ids: torch.Tensor, length: int) -> torch.Tensor:
+    """Positions 0 .. length - 1 of a sequence, [length, H_kv, D], through its block table."""
+    num_kv_heads, head_dim = cache.shape[2], cache.shape[3]
+    return cache.index_select(0, block_ids).view(-1, num_kv_heads, head_dim)[:length]
+
+
+ATTENTION_BACKENDS: dict[str, Callable[[], AttentionBackend]] = {"torch": TorchAttention}
+
+
+def make_attention_backend(name: str) -> AttentionBackend:
+    factory = ATTENTION_BACKENDS.get(name)
+    if factory is None:
+        available = ", ".join(sorted(ATTENTION_BACKENDS))
+        raise ConfigError(f"unknown attention backend {name!r}; available: {available}")
+    return factory()

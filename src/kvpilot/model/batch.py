@@ -1,0 +1,161 @@
+"""`StepBatch`: one step's works flattened into index tensors, built once per step.
+
+All works' tokens form one flat batch of T tokens (no padding) for the linear layers. Works
+with a single token ("decodes": a decode step, or a one-token chunk) are grouped for one
+batched attention call; longer chunks ("prefills") are attended one by one::
+
+    flat tokens   | d0 | p0 p0 p0 p0 | d1 | p1 p1 |      works in the order given
+    positions     | 37 | 16 17 18 19 | 5  |  0  1 |      start_pos .. start_pos + n - 1
+    slot_mapping  | block_table[p // B] * B + p % B
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvpilot.engine.executor import SeqWork
+from kvpilot.errors import InvalidRequest
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillChunk:
+    """A multi-token chunk: flat tokens [token_start, token_start + num_tokens)."""
+
+    token_start: int
+    num_tokens: int
+    start_pos: int
+    block_ids: torch.Tensor  # blocks covering positions 0 .. start_pos + num_tokens - 1
+
+    @property
+    def context_len(self) -> int:
+        return self.start_pos + self.num_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class StepBatch:
+    num_tokens: int
+    block_size: int
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    slot_mapping: torch.Tensor  # [T]
+    last_token_index: torch.Tensor  # [n_works]: flat index of each work's last token
+    decode_token_index: torch.Tensor | None  # [n_dec]; None when every token is a decode
+    decode_positions: torch.Tensor  # [n_dec]
+    decode_block_tables: torch.Tensor  # [n_dec, max_blocks], padded with block 0
+    prefills: tuple[PrefillChunk, ...]
+
+    @property
+    def num_decodes(self) -> int:
+        return int(self.decode_positions.shape[0])
+
+    @classmethod
+    def build(
+        cls,
+        works: Sequence[SeqWork],
+        *,
+        block_size: int,
+        num_blocks: int,
+        vocab_size: int,
+        max_model_len: int,
+        device: torch.device,
+    ) -> StepBatch:
+        # Hot path: plain Python per work (a step is mostly one-token decodes), numpy after.
+        flat_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        last_index: list[int] = []
+        dec_index: list[int] = []
+        dec_pos: list[int] = []
+        dec_tables: list[Sequence[int]] = []
+        prefill_specs: list[tuple[int, int, int, np.ndarray]] = []
+        for work in works:
+            n = len(work.token_ids)
+            start = work.start_pos
+            end = start + n
+            if n == 0:
+                raise InvalidRequest(f"seq {work.seq_id}: a work needs at least one token")
+            if start < 0 or end > max_model_len:
+                raise InvalidRequest(
+                    f"seq {work.seq_id}: positions {start}..{end - 1} are outside the model "
+                    f"context of {max_model_len} tokens"
+                )
+            need_blocks = -(-end // block_size)
+            table = work.block_table[:need_blocks]
+            if len(table) < need_blocks:
+                raise InvalidRequest(
+                    f"seq {work.seq_id}: block table has {len(work.block_table)} blocks, "
+                    f"positions up to {end - 1} need {need_blocks} (block_size {block_size})"
+                )
+            flat_ids.extend(work.token_ids)
+            if n == 1:
+                dec_index.append(len(positions))
+                dec_pos.append(start)
+                dec_tables.append(table)
+                slots.append(table[start // block_size] * block_size + start % block_size)
+                positions.append(start)
+            else:
+                table_arr = np.asarray(table, dtype=np.int64)
+                prefill_specs.append((len(positions), n, start, table_arr))
+                pos = np.arange(start, end, dtype=np.int64)
+                slots.extend(
+                    (table_arr[pos // block_size] * block_size + pos % block_size).tolist()
+                )
+                positions.extend(range(start, end))
+            last_index.append(len(positions) - 1)
+
+        offset = len(positions)
+        ids_arr = np.asarray(flat_ids, dtype=np.int64)
+        if ids_arr.min() < 0 or ids_arr.max() >= vocab_size:
+            raise InvalidRequest(
+                f"token ids must lie in [0, {vocab_size}), got {ids_arr.min()}..{ids_arr.max()}"
+            )
+        max_dec_blocks = max((len(t) for t in dec_tables), default=0)
+        dec_table_arr = np.zeros((len(dec_tables), max_dec_blocks), dtype=np.int64)
+        for row, table in enumerate(dec_tables):
+            dec_table_arr[row, : len(table)] = table
+        slots_arr = np.asarray(slots, dtype=np.int64)
+        for blocks in (dec_table_arr, *(spec[3] for spec in prefill_specs)):
+            if blocks.size and (blocks.min() < 0 or blocks.max() >= num_blocks):
+                raise InvalidRequest(
+                    f"block ids must lie in [0, {num_blocks}), got {blocks.min()}..{blocks.max()}"
+                )
+
+        host = [
+            ids_arr,
+            np.asarray(positions, dtype=np.int64),
+            slots_arr,
+            np.asarray(last_index, dtype=np.int64),
+            np.asarray(dec_index, dtype=np.int64),
+            np.asarray(dec_pos, dtype=np.int64),
+            dec_table_arr.reshape(-1),
+            *(spec[3] for spec in prefill_specs),
+        ]
+        on_device = _upload(host, device)
+        all_decodes = len(dec_index) == offset
+        prefills = tuple(
+            PrefillChunk(token_start=s[0], num_tokens=s[1], start_pos=s[2], block_ids=blocks)
+            for s, blocks in zip(prefill_specs, on_device[7:], strict=True)
+        )
+        return cls(
+            num_tokens=offset,
+            block_size=block_size,
+            input_ids=on_device[0],
+            positions=on_device[1],
+            slot_mapping=on_device[2],
+            last_token_index=on_device[3],
+            decode_token_index=None if all_decodes else on_device[4],
+            decode_positions=on_device[5],
+            decode_block_tables=on_device[6].view(len(dec_tables), max_dec_blocks),
+            prefills=prefills,
+        )
+
+
+def _upload(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
+    """Copy int64 arrays to the device in one transfer, returned as views of one buffer."""
+    sizes = [a.size for a in arrays]
+    packed = torch.from_numpy(np.concatenate(arrays)).to(device)
+    return list(torch.split(packed, sizes))

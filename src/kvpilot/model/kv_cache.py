@@ -1,0 +1,102 @@
+"""The paged KV pool on the device: one preallocated tensor for every layer's K and V.
+
+Layout ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``: a block is the
+same slice of every layer, so copying or moving a block is one indexing op. Token position p
+of a sequence lives in slot ``block_table[p // block_size] * block_size + p % block_size``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from kvpilot.errors import ConfigError, InvalidRequest
+from kvpilot.model.config import ModelConfig
+
+
+def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """M_block = 2 · L · H_kv · B · d_head · b_elem."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * config.num_layers * config.num_kv_heads * block_size * config.head_dim * elem
+
+
+def num_blocks_for_memory(
+    config: ModelConfig, memory_bytes: int, block_size: int, dtype: torch.dtype
+) -> int:
+    per_block = kv_bytes_per_block(config, block_size, dtype)
+    blocks = memory_bytes // per_block
+    if blocks < 1:
+        raise ConfigError(
+            f"KV memory of {memory_bytes} bytes holds no block of {per_block} bytes "
+            f"(block_size {block_size}); give more memory or a smaller block size"
+        )
+    return int(blocks)
+
+
+class KVCache:
+    def __init__(
+        self,
+        config: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ConfigError(
+                f"the KV pool needs num_blocks >= 1 and block_size >= 1, "
+                f"got {num_blocks} and {block_size}"
+            )
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.bytes_per_block = kv_bytes_per_block(config, block_size, dtype)
+        self.data = torch.zeros(
+            config.num_layers,
+            2,
+            num_blocks,
+            block_size,
+            config.num_kv_heads,
+            config.head_dim,
+            dtype=dtype,
+            device=device,
+        )
+
+    def keys(self, layer: int) -> torch.Tensor:
+        """[num_blocks, block_size, H_kv, d_head] view of one layer's keys."""
+        return self.data[layer, 0]
+
+    def values(self, layer: int) -> torch.Tensor:
+        return self.data[layer, 1]
+
+    def _block_index(self, block_ids: Sequence[int]) -> torch.Tensor:
+        ids = [int(b) for b in block_ids]
+        bad = [b for b in ids if not 0 <= b < self.num_blocks]
+        if bad:
+            raise InvalidRequest(f"block ids {bad} are outside the pool of {self.num_blocks}")
+        return torch.tensor(ids, dtype=torch.long, device=self.data.device)
+
+    def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Copy whole blocks src -> dst in every layer. Destinations must be distinct."""
+        if not pairs:
+            return
+        dst_ids = [dst for _, dst in pairs]
+        if len(set(dst_ids)) != len(dst_ids):
+            raise InvalidRequest(f"copy_blocks got a destination block twice: {dst_ids}")
+        src = self._block_index([src for src, _ in pairs])
+        dst = self._block_index(dst_ids)
+        self.data[:, :, dst] = self.data[:, :, src]
+
+    def read_blocks(self, block_ids: Sequence[int]) -> torch.Tensor:
+        """A copy of the named blocks, [num_layers, 2, n, block_size, H_kv, d_head] (swap-out)."""
+        return self.data[:, :, self._block_index(block_ids)]
+
+    def write_blocks(self, block_ids: Sequence[int], blocks: torch.Tensor) -> None:
+        """Overwrite the named blocks with data shaped like `read_blocks` returns (swap-in)."""
+        index = self._block_index(block_ids)
+        expected = (*self.data.shape[:2], len(block_ids), *self.data.shape[3:])
+        if tuple(blocks.shape) != expected:
+            raise InvalidRequest(
+                f"write_blocks expects shape {expected}, got {tuple(blocks.shape)}"
+            )
+        self.data[:, :, index] = blocks.to(device=self.data.device, dtype=self.data.dtype)

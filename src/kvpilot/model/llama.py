@@ -1,0 +1,205 @@
+"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) over a flat token batch.
+
+Numerics follow transformers' implementation (same op order; residual adds in the model
+dtype), so fp32 logits agree with it to rounding; in bf16/fp16 the fused RMSNorm rounds once
+where transformers rounds twice (within one ulp). q/k/v and gate/up projections
+are fused into one matmul each at load time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvpilot.errors import ModelLoadError
+from kvpilot.model.attention import AttentionBackend
+from kvpilot.model.batch import StepBatch
+from kvpilot.model.config import ModelConfig
+from kvpilot.model.kv_cache import KVCache
+from kvpilot.model.rope import RopeTable, apply_rope
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim; ``weight`` is [d] or broadcastable per row (q/k heads)."""
+    if weight.dim() == 1:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    return F.rms_norm(x, (x.shape[-1],), None, eps) * weight
+
+
+@dataclass(frozen=True, slots=True)
+class LayerWeights:
+    input_norm: torch.Tensor
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    o_proj: torch.Tensor
+    o_bias: torch.Tensor | None
+    qk_norm: torch.Tensor | None  # [H + H_kv, d_head]: q_norm rows for q heads, then k_norm
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor
+    gate_up_bias: torch.Tensor | None
+    down: torch.Tensor
+    down_bias: torch.Tensor | None
+
+
+class LlamaModel:
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: Iterable[tuple[str, torch.Tensor]],
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        self.config = config
+        store = _WeightStore(config, weights, device, dtype)
+        self.embed = store.take(
+            "model.embed_tokens.weight", (config.vocab_size, config.hidden_size)
+        )
+        self.layers = tuple(_layer(store, config, i) for i in range(config.num_layers))
+        self.final_norm = store.take("model.norm.weight", (config.hidden_size,))
+        lm_head = store.take_optional("lm_head.weight", (config.vocab_size, config.hidden_size))
+        if config.tie_word_embeddings or lm_head is None:
+            if not config.tie_word_embeddings:
+                raise ModelLoadError(
+                    "checkpoint has no 'lm_head.weight' and does not tie embeddings"
+                )
+            lm_head = self.embed
+        self.lm_head = lm_head
+        self.windows = tuple(config.layer_window(i) for i in range(config.num_layers))
+        self.rope = RopeTable(config, device, dtype, config.max_position_embeddings)
+
+    def forward(
+        self, batch: StepBatch, cache: KVCache, attention: AttentionBackend
+    ) -> torch.Tensor:
+        """Hidden states [T, hidden] after the last layer (before the final norm)."""
+        config = self.config
+        n_tokens = batch.num_tokens
+        heads, kv_heads, head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        q_size, kv_size = heads * head_dim, kv_heads * head_dim
+        eps = config.rms_norm_eps
+        state = attention.prepare(batch, self.windows)
+        cos, sin = self.rope.lookup(batch.positions)
+        hidden = F.embedding(batch.input_ids, self.embed)
+        for index, layer in enumerate(self.layers):
+            residual = hidden
+            x = rms_norm(hidden, layer.input_norm, eps)
+            qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+            # q and k heads side by side: one norm and one rotation for both.
+            qk = qkv[:, : q_size + kv_size].view(n_tokens, heads + kv_heads, head_dim)
+            v = qkv[:, q_size + kv_size :].view(n_tokens, kv_heads, head_dim)
+            if layer.qk_norm is not None:
+                qk = rms_norm(qk, layer.qk_norm, eps)
+            qk = apply_rope(qk, cos, sin)
+            attended = attention.forward(
+                index, qk[:, :heads], qk[:, heads:], v, cache, batch, state, self.windows[index]
+            )
+            out = F.linear(attended.reshape(n_tokens, q_size), layer.o_proj, layer.o_bias)
+            hidden = residual + out
+            residual = hidden
+            x = rms_norm(hidden, layer.post_norm, eps)
+            gate, up = F.linear(x, layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)
+            hidden = residual + F.linear(F.silu(gate) * up, layer.down, layer.down_bias)
+        return hidden
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits [n, vocab] of the given rows of `forward`'s output."""
+        normed = rms_norm(hidden, self.final_norm, self.config.rms_norm_eps)
+        return F.linear(normed, self.lm_head).float()
+
+
+class _WeightStore:
+    """Checkpoint tensors by name, moved to the device and dtype as they are taken."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: Iterable[tuple[str, torch.Tensor]],
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        self.tensors = dict(weights)
+        self.device = device
+        self.dtype = dtype
+
+    def take_optional(self, name: str, shape: tuple[int, ...]) -> torch.Tensor | None:
+        tensor = self.tensors.pop(name, None)
+        if tensor is None:
+            return None
+        if tuple(tensor.shape) != shape:
+            raise ModelLoadError(
+                f"weight {name!r} has shape {tuple(tensor.shape)}, config.json implies {shape}"
+            )
+        return tensor.to(device=self.device, dtype=self.dtype)
+
+    def take(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        tensor = self.take_optional(name, shape)
+        if tensor is None:
+            raise ModelLoadError(f"checkpoint is missing weight {name!r}")
+        return tensor
+
+    def take_if(self, present: bool, name: str, shape: tuple[int, ...]) -> torch.Tensor | None:
+        return self.take(name, shape) if present else None
+
+
+def _fused(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
+    if all(p is None for p in parts):
+        return None
+    return torch.cat([p for p in parts if p is not None], dim=0)
+
+
+def _qk_norm(store: _WeightStore, config: ModelConfig, attn: str) -> torch.Tensor | None:
+    if not config.qk_norm:
+        return None
+    d = config.head_dim
+    q_norm = store.take(attn + "q_norm.weight", (d,))
+    k_norm = store.take(attn + "k_norm.weight", (d,))
+    return torch.cat(
+        [q_norm.expand(config.num_heads, d), k_norm.expand(config.num_kv_heads, d)]
+    ).contiguous()
+
+
+def _layer(store: _WeightStore, config: ModelConfig, i: int) -> LayerWeights:
+    prefix = f"model.layers.{i}."
+    hidden, inter, d = config.hidden_size, config.intermediate_size, config.head_dim
+    q_out, kv_out = config.num_heads * d, config.num_kv_heads * d
+    attn = prefix + "self_attn."
+    mlp = prefix + "mlp."
+    qkv_b = config.attention_bias
+    mlp_b = config.mlp_bias
+    return LayerWeights(
+        input_norm=store.take(prefix + "input_layernorm.weight", (hidden,)),
+        qkv=torch.cat(
+            [
+                store.take(attn + "q_proj.weight", (q_out, hidden)),
+                store.take(attn + "k_proj.weight", (kv_out, hidden)),
+                store.take(attn + "v_proj.weight", (kv_out, hidden)),
+            ]
+        ),
+        qkv_bias=_fused(
+            [
+                store.take_if(qkv_b, attn + "q_proj.bias", (q_out,)),
+                store.take_if(qkv_b, attn + "k_proj.bias", (kv_out,)),
+                store.take_if(qkv_b, attn + "v_proj.bias", (kv_out,)),
+            ]
+        ),
+        o_proj=store.take(attn + "o_proj.weight", (hidden, q_out)),
+        o_bias=store.take_if(config.o_proj_bias, attn + "o_proj.bias", (hidden,)),
+        qk_norm=_qk_norm(store, config, attn),
+        post_norm=store.take(prefix + "post_attention_layernorm.weight", (hidden,)),
+        gate_up=torch.cat(
+            [
+                store.take(mlp + "gate_proj.weight", (inter, hidden)),
+                store.take(mlp + "up_proj.weight", (inter, hidden)),
+            ]
+        ),
+        gate_up_bias=_fused(
+            [
+                store.take_if(mlp_b, mlp + "gate_proj.bias", (inter,)),
+                store.take_if(mlp_b, mlp + "up_proj.bias", (inter,)),
+            ]
+        ),
+        down=store.take(mlp + "down_proj.weight", (hidden, inter)),
+        down_bias=store.take_if(mlp_b, mlp + "down_proj.bias", (hidden,)),
+    )

@@ -1,0 +1,190 @@
+"""`ModelRunner`: the PyTorch executor. Runs a step's works on the paged KV pool and samples."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvpilot.engine.executor import SeqWork, StepOutput
+from kvpilot.errors import ConfigError
+from kvpilot.model.attention import make_attention_backend
+from kvpilot.model.batch import StepBatch
+from kvpilot.model.config import ModelConfig
+from kvpilot.model.kv_cache import KVCache, kv_bytes_per_block, num_blocks_for_memory
+from kvpilot.model.llama import LlamaModel
+from kvpilot.model.loader import iter_weights, resolve_model_path
+from kvpilot.model.sampler import Sampler, SampleRow
+from kvpilot.model.tokenizer import load_tokenizer
+
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+DEFAULT_CPU_KV_BYTES = 512 * 1024**2
+DEFAULT_CUDA_KV_FRACTION = 0.85
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    dtype = DTYPES.get(name)
+    if dtype is None:
+        raise ConfigError(f"unknown dtype {name!r}; use one of float32, bfloat16, float16")
+    return dtype
+
+
+def parse_device(name: str) -> torch.device:
+    try:
+        device = torch.device(name)
+    except RuntimeError as exc:
+        raise ConfigError(f"unknown device {name!r}; use 'cpu' or 'cuda'") from exc
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device {name!r} requested but CUDA is not available; use 'cpu'")
+    if device.type not in ("cpu", "cuda"):
+        raise ConfigError(f"device {name!r} is not supported; use 'cpu' or 'cuda'")
+    return device
+
+
+class ModelRunner:
+    """Implements `kvpilot.engine.executor.Executor` for Llama-family checkpoints.
+
+    The KV pool holds ``num_blocks`` blocks of ``block_size`` tokens; give either
+    ``num_blocks`` or ``kv_memory_bytes`` (default: 512 MiB on CPU, 85% of the free memory
+    on CUDA). ``max_model_len`` is the longest sequence that fits both the model's
+    positions and the pool.
+    """
+
+    def __init__(
+        self,
+        model: str | Path,
+        *,
+        num_blocks: int | None = None,
+        kv_memory_bytes: int | None = None,
+        block_size: int = 16,
+        dtype: str = "float32",
+        device: str = "cpu",
+        attention: str = "torch",
+        cache_dir: Path | None = None,
+    ) -> None:
+        if num_blocks is not None and kv_memory_bytes is not None:
+            raise ConfigError("give num_blocks or kv_memory_bytes, not both")
+        if block_size < 1:
+            raise ConfigError(f"block_size must be >= 1, got {block_size}")
+        self.dtype = parse_dtype(dtype)
+        self.device = parse_device(device)
+        self.attention = make_attention_backend(attention)
+        self.path = resolve_model_path(model, cache_dir)
+        self.config = ModelConfig.from_folder(self.path)
+        self.tokenizer: Any = load_tokenizer(self.path)
+        self.model = LlamaModel(self.config, iter_weights(self.path), self.device, self.dtype)
+        self.block_size = block_size
+        if num_blocks is None:
+            num_blocks = num_blocks_for_memory(
+                self.config, kv_memory_bytes or self._default_kv_bytes(), block_size, self.dtype
+            )
+        self.kv_cache = KVCache(self.config, num_blocks, block_size, self.dtype, self.device)
+        self.num_blocks = num_blocks
+        self.max_model_len = min(self.config.max_position_embeddings, num_blocks * block_size)
+        self.model.rope.ensure(min(self.max_model_len, 4096))
+        self.eos_token_ids = self._eos_ids()
+        self.sampler = Sampler()
+
+    @staticmethod
+    def num_blocks_for_memory(
+        config: ModelConfig, memory_bytes: int, block_size: int, dtype: str
+    ) -> int:
+        return num_blocks_for_memory(config, memory_bytes, block_size, parse_dtype(dtype))
+
+    @property
+    def kv_bytes_per_block(self) -> int:
+        return kv_bytes_per_block(self.config, self.block_size, self.dtype)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    def _default_kv_bytes(self) -> int:
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            return int(free * DEFAULT_CUDA_KV_FRACTION)
+        return DEFAULT_CPU_KV_BYTES
+
+    def _eos_ids(self) -> tuple[int, ...]:
+        ids = list(self.config.eos_token_ids)
+        tokenizer_eos = getattr(self.tokenizer, "eos_token_id", None)
+        if isinstance(tokenizer_eos, int):
+            ids.append(tokenizer_eos)
+        generation = self.path / "generation_config.json"
+        if generation.is_file():
+            try:
+                raw = json.loads(generation.read_text(encoding="utf-8")).get("eos_token_id")
+            except (OSError, ValueError, AttributeError):
+                raw = None
+            values = raw if isinstance(raw, list) else [raw]
+            ids.extend(v for v in values if isinstance(v, int) and not isinstance(v, bool))
+        return tuple(dict.fromkeys(ids))
+
+    def _batch(self, works: Sequence[SeqWork]) -> StepBatch:
+        return StepBatch.build(
+            works,
+            block_size=self.block_size,
+            num_blocks=self.num_blocks,
+            vocab_size=self.config.vocab_size,
+            max_model_len=self.max_model_len,
+            device=self.device,
+        )
+
+    def _run(self, works: Sequence[SeqWork], wanted: Sequence[int]) -> torch.Tensor | None:
+        """Compute KV for all works; fp32 last-position logits of the works at ``wanted``."""
+        batch = self._batch(works)
+        self.model.rope.ensure(max(w.start_pos + len(w.token_ids) for w in works))
+        hidden = self.model.forward(batch, self.kv_cache, self.attention)
+        if not wanted:
+            return None
+        rows = batch.last_token_index
+        if len(wanted) != len(works):
+            rows = rows.index_select(0, torch.tensor(list(wanted), device=self.device))
+        return self.model.logits(hidden.index_select(0, rows))
+
+    @torch.inference_mode()
+    def compute_logits(self, works: Sequence[SeqWork]) -> dict[int, torch.Tensor]:
+        """fp32 logits of each work's last position, by seq_id (computes and stores KV too)."""
+        if not works:
+            return {}
+        logits = self._run(works, range(len(works)))
+        assert logits is not None
+        return {work.seq_id: row for work, row in zip(works, logits, strict=True)}
+
+    @torch.inference_mode()
+    def execute(self, works: Sequence[SeqWork]) -> StepOutput:
+        if not works:
+            return StepOutput(tokens={})
+        wanted = [i for i, w in enumerate(works) if w.sampling is not None]
+        logits = self._run(works, wanted)
+        if logits is None:
+            return StepOutput(tokens={})
+        rows: list[SampleRow] = []
+        logit_rows: list[int] = []
+        for row, i in enumerate(wanted):
+            work = works[i]
+            assert work.sampling is not None
+            for branch in range(max(1, work.sample_count)):
+                rows.append(SampleRow(work.sampling, work.seed + branch, work.step))
+                logit_rows.append(row)
+        if len(logit_rows) != len(wanted):
+            logits = logits[torch.tensor(logit_rows, device=logits.device)]
+        sampled = self.sampler.sample(logits, rows)
+        tokens: dict[int, list[int]] = {}
+        for row, token in zip(logit_rows, sampled, strict=True):
+            tokens.setdefault(works[wanted[row]].seq_id, []).append(token)
+        return StepOutput(tokens=tokens)
+
+    @torch.inference_mode()
+    def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
+        self.kv_cache.copy_blocks(pairs)

@@ -1,0 +1,254 @@
+"""The break-even rule for a paused trajectory's KV state: retain, offload to host or disk, or drop.
+
+This is the one implementation of the spec's rule ("Retain, Evict, Recompute, or Offload");
+`kvpilot plan --pause` and the engine's pause policy both call `decide_pause`.
+
+Figures, for M = kv_bytes, S = num_tokens, T = expected_wait_s:
+    reload_s        = M / B_link                   (B_link: aggregate device<->host bandwidth)
+    round_trip_s    = 2 M / B_link                 (out now, back before the resume)
+    disk_reload_s   = M / min(B_link, B_disk)      (disk<->host<->device, pipelined)
+    recompute_s     = S / prefill_tokens_per_s, or 2 P S / R_prefill
+    held_gb_s       = M T / 1e9                    (the memory-time tax of retaining)
+    T*_wait         = RT * mu_dev / (mu_dev - mu_tier) + stall_tolerance_s
+                      (infinite when mu_dev <= mu_tier: the tier is no cheaper than device memory)
+
+Rule, in order:
+ 1. device_pressure < thresholds.device_plentiful_below: RETAIN (nobody needs the memory).
+ 2. Pick the tier the state would go to. DISK when the host cannot hold M
+    (host_free_bytes < M), or when host_pressure >= thresholds.host_pressure_high and the disk
+    round trip is at most thresholds.negligible_round_trip_fraction of the wait; HOST otherwise.
+    A tier with zero bandwidth does not exist: with no disk and no host room there is no tier.
+ 3. If there is no tier, or recompute_s < that tier's reload time: the way out is DROP
+    (recompute on return), whose round trip is recompute_s and whose residency costs nothing.
+ 4. RT and mu_tier are those of the chosen way out (host: host_pressure; disk and drop: 0).
+    If T <= RT, or T <= T*_wait: RETAIN (moving the state would not pay for itself).
+ 5. Otherwise take the way out: OFFLOAD_HOST, OFFLOAD_DISK or DROP.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import StrEnum
+
+from kvpilot.errors import ConfigError
+
+
+class PauseAction(StrEnum):
+    RETAIN = "retain"
+    OFFLOAD_HOST = "offload_host"
+    OFFLOAD_DISK = "offload_disk"
+    DROP = "drop"
+
+
+@dataclass(frozen=True, slots=True)
+class PauseThresholds:
+    """Where "plentiful", "high" and "negligible" start in the rule (see the module docstring)."""
+
+    device_plentiful_below: float = 0.5
+    host_pressure_high: float = 0.75
+    negligible_round_trip_fraction: float = 0.01
+
+
+DEFAULT_THRESHOLDS = PauseThresholds()
+
+
+@dataclass(frozen=True, slots=True)
+class PauseInputs:
+    """What the rule needs to know about one paused trajectory and the machine.
+
+    Give the prefill rate either as `prefill_tokens_per_s`, or as `num_params` with
+    `prefill_flops_per_s` (sustained, i.e. peak times MFU). Pressures are shadow prices of
+    memory in [0, 1]: e.g. KV usage, or 1 when work is waiting for device memory.
+    A bandwidth of 0 means that tier is absent.
+    """
+
+    kv_bytes: float
+    num_tokens: int
+    expected_wait_s: float
+    device_host_bw_bytes_s: float
+    host_disk_bw_bytes_s: float
+    prefill_tokens_per_s: float | None = None
+    num_params: float | None = None
+    prefill_flops_per_s: float | None = None
+    device_pressure: float = 1.0
+    host_pressure: float = 0.0
+    host_free_bytes: float = math.inf
+    stall_tolerance_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        for field in (
+            "kv_bytes",
+            "num_tokens",
+            "expected_wait_s",
+            "device_host_bw_bytes_s",
+            "host_disk_bw_bytes_s",
+            "host_free_bytes",
+            "stall_tolerance_s",
+        ):
+            if getattr(self, field) < 0:
+                raise ConfigError(f"pause inputs: {field} must not be negative")
+        for field in ("device_pressure", "host_pressure"):
+            if not 0.0 <= getattr(self, field) <= 1.0:
+                raise ConfigError(f"pause inputs: {field} must be in [0, 1]")
+        has_rate = self.prefill_tokens_per_s is not None and self.prefill_tokens_per_s > 0
+        has_flops = (
+            self.num_params is not None
+            and self.num_params > 0
+            and self.prefill_flops_per_s is not None
+            and self.prefill_flops_per_s > 0
+        )
+        if not (has_rate or has_flops):
+            raise ConfigError(
+                "pause inputs: give a positive prefill_tokens_per_s, or num_params together "
+                "with prefill_flops_per_s"
+            )
+
+    @property
+    def recompute_s(self) -> float:
+        if self.prefill_tokens_per_s is not None and self.prefill_tokens_per_s > 0:
+            return self.num_tokens / self.prefill_tokens_per_s
+        assert self.num_params is not None and self.prefill_flops_per_s is not None
+        return 2.0 * self.num_params * self.num_tokens / self.prefill_flops_per_s
+
+
+@dataclass(frozen=True, slots=True)
+class PauseDecision:
+    """The action, a sentence saying why, and every figure the rule looked at.
+
+    `reload_vs_recompute` is recompute_s / reload_s: how many times faster reloading from host
+    is than recomputing (above 1, reload wins). `break_even_wait_s` is T*_wait for the way out
+    the rule considered (host, disk or drop); `via` names that way out.
+    """
+
+    action: PauseAction
+    reason: str
+    via: PauseAction
+    reload_s: float
+    round_trip_s: float
+    recompute_s: float
+    reload_vs_recompute: float
+    held_gb_s: float
+    break_even_wait_s: float
+    disk_reload_s: float
+    disk_round_trip_s: float
+
+
+def _transfer_s(nbytes: float, bw: float) -> float:
+    if nbytes == 0:
+        return 0.0
+    return nbytes / bw if bw > 0 else math.inf
+
+
+def _fmt_s(seconds: float) -> str:
+    if math.isinf(seconds):
+        return "forever"
+    if seconds < 1.0:
+        return f"{seconds * 1e3:.0f} ms"
+    if seconds < 10:
+        return f"{seconds:.2f} s"
+    return f"{seconds:.1f} s" if seconds < 100 else f"{seconds:.0f} s"
+
+
+def _break_even(round_trip: float, mu_device: float, mu_tier: float, stall: float) -> float:
+    if mu_device <= mu_tier:
+        return math.inf
+    return round_trip * mu_device / (mu_device - mu_tier) + stall
+
+
+def decide_pause(
+    inputs: PauseInputs, thresholds: PauseThresholds = DEFAULT_THRESHOLDS
+) -> PauseDecision:
+    """Apply the break-even rule of the module docstring to one paused trajectory."""
+    m, wait = inputs.kv_bytes, inputs.expected_wait_s
+    reload_s = _transfer_s(m, inputs.device_host_bw_bytes_s)
+    disk_bw = min(inputs.device_host_bw_bytes_s, inputs.host_disk_bw_bytes_s)
+    disk_reload_s = _transfer_s(m, disk_bw)
+    recompute_s = inputs.recompute_s
+    gb = m / 1e9
+
+    host_room = inputs.host_free_bytes >= m and not math.isinf(reload_s)
+    disk_exists = not math.isinf(disk_reload_s)
+    disk_negligible = 2 * disk_reload_s <= thresholds.negligible_round_trip_fraction * wait
+    host_pressed = inputs.host_pressure >= thresholds.host_pressure_high
+    if disk_exists and (not host_room or (host_pressed and disk_negligible)):
+        via, tier_reload, mu_tier = PauseAction.OFFLOAD_DISK, disk_reload_s, 0.0
+    elif host_room:
+        via, tier_reload, mu_tier = PauseAction.OFFLOAD_HOST, reload_s, inputs.host_pressure
+    else:
+        via, tier_reload, mu_tier = PauseAction.DROP, math.inf, 0.0
+    if recompute_s < tier_reload:
+        via, mu_tier = PauseAction.DROP, 0.0
+    way_out_rt = recompute_s if via is PauseAction.DROP else 2 * tier_reload
+    t_star = _break_even(way_out_rt, inputs.device_pressure, mu_tier, inputs.stall_tolerance_s)
+
+    def decision(action: PauseAction, reason: str) -> PauseDecision:
+        return PauseDecision(
+            action=action,
+            reason=reason,
+            via=via,
+            reload_s=reload_s,
+            round_trip_s=2 * reload_s,
+            recompute_s=recompute_s,
+            reload_vs_recompute=recompute_s / reload_s if reload_s > 0 else math.inf,
+            held_gb_s=gb * wait,
+            break_even_wait_s=t_star,
+            disk_reload_s=disk_reload_s,
+            disk_round_trip_s=2 * disk_reload_s,
+        )
+
+    if inputs.device_pressure < thresholds.device_plentiful_below:
+        return decision(
+            PauseAction.RETAIN,
+            f"retain: device memory is plentiful (pressure {inputs.device_pressure:.2f} < "
+            f"{thresholds.device_plentiful_below:.2f}), so holding {gb:.1f} GB for "
+            f"{_fmt_s(wait)} ({gb * wait:,.0f} GB·s) costs nobody anything",
+        )
+    what = {
+        PauseAction.OFFLOAD_HOST: "the host round trip",
+        PauseAction.OFFLOAD_DISK: "the disk round trip",
+        PauseAction.DROP: "recomputing",
+    }[via]
+    if wait <= way_out_rt:
+        return decision(
+            PauseAction.RETAIN,
+            f"retain: the {_fmt_s(wait)} wait is shorter than {what} ({_fmt_s(way_out_rt)}), "
+            f"so moving {gb:.1f} GB out would stall the resume",
+        )
+    if wait <= t_star:
+        return decision(
+            PauseAction.RETAIN,
+            f"retain: the {_fmt_s(wait)} wait is below the break-even wait {_fmt_s(t_star)} "
+            f"(device pressure {inputs.device_pressure:.2f} vs {mu_tier:.2f} where the state "
+            f"would go), so holding {gb:.1f} GB is cheaper than moving it",
+        )
+    if via is PauseAction.DROP:
+        if math.isinf(tier_reload):
+            why = "there is no host room and no disk tier"
+        else:
+            why = f"recomputing takes {_fmt_s(recompute_s)} vs {_fmt_s(tier_reload)} to reload"
+        return decision(
+            PauseAction.DROP,
+            f"drop: {why}; the {_fmt_s(wait)} wait is past the break-even "
+            f"{_fmt_s(t_star)}, so free {gb:.1f} GB now and recompute on return",
+        )
+    if via is PauseAction.OFFLOAD_DISK:
+        why = (
+            f"the host has room for only {inputs.host_free_bytes / 1e9:.1f} GB"
+            if inputs.host_free_bytes < m
+            else f"host memory is under pressure ({inputs.host_pressure:.2f}) and the "
+            f"{_fmt_s(2 * disk_reload_s)} disk round trip is negligible"
+        )
+        return decision(
+            PauseAction.OFFLOAD_DISK,
+            f"offload to disk: {why}; the {_fmt_s(wait)} wait exceeds the "
+            f"{_fmt_s(2 * disk_reload_s)} round trip and reloading {gb:.1f} GB "
+            f"({_fmt_s(disk_reload_s)}) beats recomputing ({_fmt_s(recompute_s)})",
+        )
+    return decision(
+        PauseAction.OFFLOAD_HOST,
+        f"offload to host: the {_fmt_s(wait)} wait exceeds the {_fmt_s(2 * reload_s)} round "
+        f"trip (break-even {_fmt_s(t_star)}), and reloading {gb:.1f} GB takes "
+        f"{_fmt_s(reload_s)} vs {_fmt_s(recompute_s)} to recompute "
+        f"({recompute_s / reload_s:.0f}x faster); holding it would tie up {gb * wait:,.0f} GB·s",
+    )

@@ -1,0 +1,162 @@
+"""The FastAPI app: routes, error handling, and the engine thread's lifetime.
+
+Every error leaves as the OpenAI error body ``{"error": {"message", "type", "param",
+"code"}}``; bad input is a 4xx, never a 500, and never stops the engine.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kvpilot.engine import Engine
+from kvpilot.errors import InvalidRequest, KvpilotError, PromptTooLong
+from kvpilot.server import completions_api, sessions_api
+from kvpilot.server.async_engine import AsyncEngine
+from kvpilot.server.limits import BodySizeLimit, ServerLimits
+from kvpilot.server.metrics import ServerMetrics
+from kvpilot.server.protocol import ApiError, ModelCard, ModelList, error_body
+from kvpilot.server.state import ServerState, get_state, get_tenant
+from kvpilot.server.tenancy import ApiKeys
+
+log = logging.getLogger("kvpilot.server")
+
+
+def create_app(
+    engine: Engine,
+    *,
+    model_name: str = "tiny",
+    limits: ServerLimits | None = None,
+    api_keys: ApiKeys | None = None,
+    options: Mapping[str, Any] | None = None,
+) -> FastAPI:
+    """An app serving ``engine``; its engine thread runs while the app is up (lifespan)."""
+    limits = limits or ServerLimits()
+    metrics = ServerMetrics()
+    async_engine = AsyncEngine(
+        engine, on_iteration=metrics.observe, on_abort=metrics.requests_aborted.inc
+    )
+    state = ServerState(
+        engine=async_engine,
+        model_name=model_name,
+        max_model_len=engine.max_model_len,
+        limits=limits,
+        api_keys=api_keys or ApiKeys(),
+        metrics=metrics,
+        options=dict(options or {}),
+    )
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async_engine.start()
+        async_engine.call_blocking(metrics.observe)
+        try:
+            yield
+        finally:
+            async_engine.shutdown()
+
+    app = FastAPI(title="kvpilot", lifespan=lifespan)
+    app.state.kvpilot = state
+    app.add_middleware(BodySizeLimit, max_bytes=limits.max_body_bytes)
+    _install_error_handlers(app, metrics)
+    app.include_router(completions_api.router)
+    app.include_router(sessions_api.router)
+
+    @app.get("/v1/models")
+    async def models(request: Request, tenant: str | None = Depends(get_tenant)) -> dict:
+        s = get_state(request)
+        card = ModelCard(id=s.model_name, created=s.created, max_model_len=s.max_model_len)
+        return ModelList(data=[card]).model_dump()
+
+    @app.get("/health")
+    async def health(request: Request) -> JSONResponse:
+        s = get_state(request)
+        snap = s.metrics.latest
+        ok = s.engine.running
+        body = {
+            "status": "ok" if ok else "error",
+            "model": s.model_name,
+            "engine": "running" if ok else s.engine.stop_reason(),
+            "requests": {"running": snap.running, "waiting": snap.waiting},
+            "sessions": len(s.sessions),
+            "kv": {
+                tier: {"blocks": t.num_blocks, "used": t.used_blocks, "cached": t.cached_blocks}
+                for tier, t in snap.tiers.items()
+            },
+            "options": s.options,
+        }
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics_endpoint(request: Request) -> Response:
+        return Response(get_state(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def _install_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
+    def reply(status: int, body: dict[str, Any]) -> JSONResponse:
+        metrics.http_errors.labels(str(status)).inc()
+        return JSONResponse(body, status_code=status)
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return reply(exc.status, exc.body())
+
+    @app.exception_handler(InvalidRequest)
+    async def invalid_request(request: Request, exc: InvalidRequest) -> JSONResponse:
+        code = "context_length_exceeded" if isinstance(exc, PromptTooLong) else None
+        return reply(400, error_body(str(exc), "invalid_request_error", code=code))
+
+    @app.exception_handler(KvpilotError)
+    async def kvpilot_error(request: Request, exc: KvpilotError) -> JSONResponse:
+        return reply(400, error_body(str(exc), "invalid_request_error"))
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _describe_validation(exc)
+        return reply(400, error_body(message, "invalid_request_error", param=param))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        message = str(exc.detail)
+        if exc.status_code == 404:
+            message = f"no route {request.method} {request.url.path}"
+        elif exc.status_code == 405:
+            message = f"{request.method} is not allowed on {request.url.path}"
+        return reply(exc.status_code, error_body(message, kind))
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unexpected error on %s %s", request.method, request.url.path)
+        return reply(
+            500,
+            error_body(f"internal error: {type(exc).__name__}: {exc}", "server_error"),
+        )
+
+
+def _describe_validation(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    if not errors:
+        return "invalid request body", None
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        return f"request body is not valid JSON: {first.get('msg')}", None
+    parts = []
+    param = None
+    for error in errors[:5]:
+        loc = [str(x) for x in error.get("loc", ()) if x != "body"]
+        field = ".".join(loc) or "body"
+        param = param or (field if loc else None)
+        parts.append(f"{field}: {error.get('msg')}")
+    more = f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""
+    return "invalid request: " + "; ".join(parts) + more, param

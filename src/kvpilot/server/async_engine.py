@@ -1,0 +1,242 @@
+"""The engine loop in its own thread, and a thread-safe way in and out of it.
+
+Only the engine thread touches the `Engine`. Everything else hands it a command (a function
+of the engine) through a queue guarded by a condition variable; the thread runs pending
+commands between steps, steps while there is work, and sleeps on the condition otherwise.
+Outputs go back to each request's asyncio queue with ``loop.call_soon_threadsafe``, one
+call per step and event loop.
+
+A request's stream is registered by the same command that adds the request, so no step can
+produce an output before someone is listening for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Generic, TypeVar
+
+from kvpilot.engine import Engine, RequestOutput
+from kvpilot.server.protocol import ApiError
+
+log = logging.getLogger("kvpilot.server")
+
+T = TypeVar("T")
+Info = TypeVar("Info")
+
+
+class EngineStopped(ApiError):
+    def __init__(self, reason: str) -> None:
+        super().__init__(503, f"the engine is not running: {reason}", type="server_error")
+
+
+class RequestStream:
+    """The outputs of one request, as the event loop sees them.
+
+    Each item is a cumulative snapshot, so a slow reader skips to the latest one.
+    """
+
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
+        self.request_id = request_id
+        self.loop = loop
+        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.finished = False
+        self.last: RequestOutput | None = None
+
+    async def next(self, timeout: float | None = None) -> RequestOutput | None:
+        """The latest snapshot; None if nothing came within ``timeout`` seconds."""
+        try:
+            item = await asyncio.wait_for(self.queue.get(), timeout)
+        except TimeoutError:
+            return None
+        while not self.queue.empty() and not isinstance(item, BaseException):
+            item = self.queue.get_nowait()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        self.last = item
+        self.finished = item.finished
+        return item
+
+
+class _Command(Generic[T]):
+    __slots__ = ("fn", "future")
+
+    def __init__(self, fn: Callable[[Engine], T]) -> None:
+        self.fn = fn
+        self.future: Future[T] = Future()
+
+    def run(self, engine: Engine) -> None:
+        if not self.future.set_running_or_notify_cancel():
+            return
+        try:
+            self.future.set_result(self.fn(engine))
+        except BaseException as exc:
+            self.future.set_exception(exc)
+
+
+class AsyncEngine:
+    """Owns an `Engine` and the thread that steps it."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        on_iteration: Callable[[Engine], None] | None = None,
+        on_abort: Callable[[], None] | None = None,
+    ) -> None:
+        self.engine = engine
+        # Called on the engine thread after every iteration that ran commands or a step.
+        self.on_iteration = on_iteration
+        # Called on the engine thread when a running request is aborted for its client.
+        self.on_abort = on_abort
+        self.error: BaseException | None = None
+        self._cond = threading.Condition()
+        self._commands: deque[_Command[object]] = deque()
+        self._streams: dict[str, RequestStream] = {}
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="kvpilot-engine", daemon=True)
+
+    # -- lifecycle --------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive() and self.error is None and not self._stopping
+
+    # -- the way in -------------------------------------------------------------------
+
+    def call_soon(self, fn: Callable[[Engine], T]) -> Future[T]:
+        """Run ``fn(engine)`` on the engine thread between steps; a future of its result."""
+        command = _Command(fn)
+        with self._cond:
+            if not self.running:
+                raise EngineStopped(self.stop_reason())
+            self._commands.append(command)  # type: ignore[arg-type]
+            self._cond.notify()
+        return command.future
+
+    async def call(self, fn: Callable[[Engine], T]) -> T:
+        return await asyncio.wrap_future(self.call_soon(fn))
+
+    def call_blocking(self, fn: Callable[[Engine], T], timeout: float | None = None) -> T:
+        """For callers outside any event loop (tests, the CLI)."""
+        return self.call_soon(fn).result(timeout)
+
+    async def submit(self, add: Callable[[Engine], tuple[str, Info]]) -> tuple[RequestStream, Info]:
+        """Run ``add`` (which adds one request and returns its id) and stream that request."""
+        loop = asyncio.get_running_loop()
+
+        def run(engine: Engine) -> tuple[RequestStream, Info]:
+            request_id, info = add(engine)
+            stream = RequestStream(request_id, loop)
+            self._streams[request_id] = stream
+            return stream, info
+
+        return await self.call(run)
+
+    def abort_soon(self, request_id: str) -> None:
+        """Abort a request if it is still running (safe from any thread, never blocks)."""
+        with contextlib.suppress(EngineStopped):
+            self.call_soon(lambda engine: self._abort(engine, request_id))
+
+    def _abort(self, engine: Engine, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+        if request_id in engine.requests:
+            engine.abort(request_id)
+            log.info("request %s aborted: its client went away", request_id)
+            if self.on_abort is not None:
+                self.on_abort()
+        with contextlib.suppress(KeyError):
+            engine.pop_output(request_id)
+
+    # -- the engine thread ------------------------------------------------------------
+
+    def _run(self) -> None:
+        engine = self.engine
+        while True:
+            with self._cond:
+                while not (self._commands or self._stopping or engine.has_unfinished()):
+                    self._cond.wait()
+                if self._stopping:
+                    break
+                commands = list(self._commands)
+                self._commands.clear()
+            for command in commands:
+                command.run(engine)
+            if commands:
+                self._collect_finished(engine)
+            if engine.has_unfinished():
+                try:
+                    outputs = engine.step()
+                except Exception as exc:
+                    log.exception("engine step failed; the engine stops")
+                    self.error = exc
+                    break
+                self._dispatch(outputs)
+            if self.on_iteration is not None:
+                try:
+                    self.on_iteration(engine)
+                except Exception:
+                    log.exception("on_iteration hook failed")
+        self._drain(EngineStopped(self.stop_reason()))
+
+    def stop_reason(self) -> str:
+        if self.error is not None:
+            return f"a step failed with {type(self.error).__name__}: {self.error}"
+        return "the server is shutting down" if self._stopping else "it was never started"
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, object]]] = {}
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is None:
+                continue
+            if output.finished:
+                del self._streams[output.request_id]
+                self.engine.pop_output(output.request_id)
+            batches.setdefault(stream.loop, []).append((stream, output))
+        self._send(batches)
+
+    def _collect_finished(self, engine: Engine) -> None:
+        """Deliver requests that commands finished (a closed session aborts its turn)."""
+        done = [rid for rid in self._streams if rid not in engine.requests]
+        self._dispatch([engine.get_output(rid) for rid in done])
+
+    def _drain(self, error: BaseException) -> None:
+        with self._cond:
+            commands = list(self._commands)
+            self._commands.clear()
+        for command in commands:
+            if command.future.set_running_or_notify_cancel():
+                command.future.set_exception(error)
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, object]]] = {}
+        for stream in self._streams.values():
+            batches.setdefault(stream.loop, []).append((stream, error))
+        self._streams.clear()
+        self._send(batches)
+
+    @staticmethod
+    def _send(batches: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, object]]]) -> None:
+        for loop, items in batches.items():
+            with contextlib.suppress(RuntimeError):  # a closed loop: nobody is listening
+                loop.call_soon_threadsafe(_deliver, items)
+
+
+def _deliver(items: list[tuple[RequestStream, object]]) -> None:
+    for stream, item in items:
+        stream.queue.put_nowait(item)  # type: ignore[arg-type]

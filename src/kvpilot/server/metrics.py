@@ -1,0 +1,246 @@
+"""Prometheus metrics: one registry per app, fed from the engine thread.
+
+After every engine iteration the engine thread calls `ServerMetrics.observe`: it moves the
+engine's new latency samples into histograms and publishes an immutable snapshot of the
+engine's counters and gauges. A scrape reads only that snapshot, so it never races the
+engine.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kvpilot.engine import Engine
+from kvpilot.memory import Tier
+
+PAUSE_ACTIONS = ("retain", "offload_host", "offload_disk", "drop")
+LATENCY_BUCKETS_S = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
+    1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class TierUsage:
+    num_blocks: int
+    used_blocks: int
+    cached_blocks: int
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSnapshot:
+    running: int = 0
+    waiting: int = 0
+    steps: int = 0
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    generated_tokens: int = 0
+    prefill_tokens: int = 0
+    requests_finished: int = 0
+    preemptions: int = 0
+    forks: int = 0
+    prefix_queried_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    evicted_blocks: int = 0
+    bytes_moved: dict[str, int] = field(default_factory=dict)
+    tiers: dict[str, TierUsage] = field(default_factory=dict)
+    open_sessions: int = 0
+
+
+def snapshot(engine: Engine) -> EngineSnapshot:
+    kv = engine.kv
+    stats = engine.stats
+    radix = kv.radix
+    tiers = {}
+    for tier in Tier:
+        pool = kv.pools.get(tier)
+        if pool is None:
+            tiers[tier.value] = TierUsage(0, 0, 0)
+        else:
+            tiers[tier.value] = TierUsage(pool.num_blocks, pool.num_used, radix.cached_blocks(tier))
+    moved = getattr(getattr(kv, "stats", None), "bytes_moved", None)
+    return EngineSnapshot(
+        running=len(engine.scheduler.running),
+        waiting=len(engine.scheduler.waiting),
+        steps=stats.steps,
+        prompt_tokens=stats.prompt_tokens,
+        cached_prompt_tokens=stats.cached_tokens,
+        generated_tokens=stats.generated_tokens,
+        prefill_tokens=stats.prefill_tokens,
+        requests_finished=stats.requests_finished,
+        preemptions=engine.scheduler.num_preemptions,
+        forks=stats.forks,
+        prefix_queried_tokens=radix.stats.queried_tokens,
+        prefix_hit_tokens=radix.stats.hit_tokens,
+        evicted_blocks=radix.stats.evicted_blocks,
+        bytes_moved=dict(moved) if isinstance(moved, dict) else {},
+        tiers=tiers,
+        open_sessions=len(engine.sessions),
+    )
+
+
+class _EngineCollector(Collector):
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self.metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.metrics.latest
+        usage = GaugeMetricFamily(
+            "kvpilot_kv_usage_ratio", "KV blocks in use over pool size (U_KV)", labels=["tier"]
+        )
+        blocks = GaugeMetricFamily(
+            "kvpilot_kv_blocks", "KV blocks by tier and state", labels=["tier", "state"]
+        )
+        for tier, t in s.tiers.items():
+            usage.add_metric([tier], t.used_blocks / t.num_blocks if t.num_blocks else 0.0)
+            blocks.add_metric([tier, "total"], t.num_blocks)
+            blocks.add_metric([tier, "used"], t.used_blocks)
+            blocks.add_metric([tier, "cached"], t.cached_blocks)
+        yield usage
+        yield blocks
+        yield _gauge("kvpilot_requests_running", "Requests running", s.running)
+        yield _gauge("kvpilot_requests_waiting", "Requests waiting for admission", s.waiting)
+        yield _gauge("kvpilot_sessions_open", "Open agent sessions", s.open_sessions)
+        yield _counter("kvpilot_engine_steps", "Engine steps run", s.steps)
+        yield _counter(
+            "kvpilot_prompt_tokens", "Prompt tokens of finished requests", s.prompt_tokens
+        )
+        yield _counter(
+            "kvpilot_cached_prompt_tokens",
+            "Prompt tokens of finished requests served from the prefix cache",
+            s.cached_prompt_tokens,
+        )
+        yield _counter("kvpilot_generation_tokens", "Tokens generated", s.generated_tokens)
+        yield _counter(
+            "kvpilot_prefill_tokens", "Tokens whose KV prefill computed", s.prefill_tokens
+        )
+        yield _counter("kvpilot_requests_finished", "Requests finished", s.requests_finished)
+        yield _counter("kvpilot_preemptions", "Sequences preempted", s.preemptions)
+        yield _counter("kvpilot_forks", "Trajectory forks", s.forks)
+        yield _counter(
+            "kvpilot_prefix_cache_queries_tokens",
+            "Tokens looked up in the prefix cache",
+            s.prefix_queried_tokens,
+        )
+        yield _counter(
+            "kvpilot_prefix_cache_hits_tokens",
+            "Tokens found in the prefix cache",
+            s.prefix_hit_tokens,
+        )
+        yield _counter(
+            "kvpilot_kv_evicted_blocks", "Blocks evicted from the radix cache", s.evicted_blocks
+        )
+        moved = CounterMetricFamily(
+            "kvpilot_kv_bytes_moved", "KV bytes moved between tiers", labels=["direction"]
+        )
+        for direction in ("device_to_host", "host_to_device", "host_to_disk", "disk_to_host"):
+            moved.add_metric([direction], s.bytes_moved.get(direction, 0))
+        yield moved
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, value=value)
+
+
+def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(name, doc, value=value)
+
+
+class ServerMetrics:
+    """The app's registry: engine snapshot collector, latency histograms, server counters."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._lock = threading.Lock()
+        self._latest = EngineSnapshot()
+        self.ttft = Histogram(
+            "kvpilot_time_to_first_token_seconds",
+            "Time from arrival to first token",
+            buckets=LATENCY_BUCKETS_S,
+            registry=self.registry,
+        )
+        self.itl = Histogram(
+            "kvpilot_inter_token_latency_seconds",
+            "Time between consecutive tokens of a sequence",
+            buckets=LATENCY_BUCKETS_S,
+            registry=self.registry,
+        )
+        self.e2e = Histogram(
+            "kvpilot_e2e_request_latency_seconds",
+            "Time from arrival to the last token",
+            buckets=LATENCY_BUCKETS_S,
+            registry=self.registry,
+        )
+        self.pause_decisions = Counter(
+            "kvpilot_pause_decisions",
+            "Pause decisions by action",
+            ["action"],
+            registry=self.registry,
+        )
+        for action in PAUSE_ACTIONS:
+            self.pause_decisions.labels(action)
+        self.tenant_prompt_tokens = Counter(
+            "kvpilot_tenant_prompt_tokens",
+            "Prompt tokens per tenant",
+            ["tenant"],
+            registry=self.registry,
+        )
+        self.tenant_cached_tokens = Counter(
+            "kvpilot_tenant_cached_tokens",
+            "Prompt tokens served from the prefix cache, per tenant",
+            ["tenant"],
+            registry=self.registry,
+        )
+        self.requests_aborted = Counter(
+            "kvpilot_requests_aborted",
+            "Requests aborted because their client went away",
+            registry=self.registry,
+        )
+        self.http_errors = Counter(
+            "kvpilot_http_errors",
+            "Requests answered with an error, by status",
+            ["status"],
+            registry=self.registry,
+        )
+        self.registry.register(_EngineCollector(self))
+
+    @property
+    def latest(self) -> EngineSnapshot:
+        with self._lock:
+            return self._latest
+
+    def observe(self, engine: Engine) -> None:
+        """Engine thread: drain new latency samples into histograms, publish a snapshot.
+
+        The engine's sample lists are emptied once observed, so a long-running server's
+        memory does not grow with every token it has ever served.
+        """
+        stats = engine.stats
+        for samples, histogram in (
+            (stats.ttft_s, self.ttft),
+            (stats.itl_s, self.itl),
+            (stats.e2e_s, self.e2e),
+        ):
+            for value in samples:
+                histogram.observe(value)
+            samples.clear()
+        snap = snapshot(engine)
+        with self._lock:
+            self._latest = snap
+
+    def record_request(self, tenant: str | None, prompt_tokens: int, cached_tokens: int) -> None:
+        label = tenant or "anonymous"
+        self.tenant_prompt_tokens.labels(label).inc(prompt_tokens)
+        self.tenant_cached_tokens.labels(label).inc(cached_tokens)
+
+    def record_pause(self, action: str) -> None:
+        self.pause_decisions.labels(action).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

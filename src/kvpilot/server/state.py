@@ -1,0 +1,38 @@
+"""What every route needs: the engine loop, limits, tenants, sessions, metrics."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+
+from kvpilot.server.async_engine import AsyncEngine
+from kvpilot.server.limits import ServerLimits
+from kvpilot.server.metrics import ServerMetrics
+from kvpilot.server.session_registry import SessionRegistry
+from kvpilot.server.tenancy import ApiKeys
+
+
+@dataclass(slots=True)
+class ServerState:
+    engine: AsyncEngine
+    model_name: str
+    max_model_len: int
+    limits: ServerLimits
+    api_keys: ApiKeys
+    metrics: ServerMetrics
+    sessions: SessionRegistry = field(default_factory=SessionRegistry)
+    # Options accepted on the command line and how the engine took them, shown by /health.
+    options: dict[str, Any] = field(default_factory=dict)
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+def get_state(request: Request) -> ServerState:
+    return request.app.state.kvpilot
+
+
+def get_tenant(request: Request) -> str | None:
+    """FastAPI dependency: the caller's tenant (401 when keys are configured and it fails)."""
+    return get_state(request).api_keys.tenant_for(request.headers.get("authorization"))

@@ -1,0 +1,196 @@
+"""Turning a validated request body into an engine request (runs on the engine thread).
+
+Everything here reads or changes engine state, so it runs inside one engine command: the
+session's tokens cannot change between reading them and submitting the turn.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from kvpilot.engine import Engine, SamplingParams
+from kvpilot.errors import InvalidRequest, PromptTooLong
+from kvpilot.server.limits import resolve_max_tokens
+from kvpilot.server.protocol import ApiError, SessionHistory
+from kvpilot.server.turns import chat_resends_history, completion_resends_history, plan_turn
+
+log = logging.getLogger("kvpilot.server")
+
+
+@dataclass(frozen=True, slots=True)
+class PromptSpec:
+    """A request's prompt before tokenization: chat messages, or a completion prompt."""
+
+    messages: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None
+    text_or_ids: str | list[int] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SessionSpec:
+    session_id: str
+    mode: SessionHistory
+    conversation: list[dict[str, Any]]  # the chat conversation as of the session's last turn
+    opening_tokens: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class Submitted:
+    prompt_tokens: int
+    divergence_index: int | None = None
+    conversation: list[dict[str, Any]] | None = None  # the whole conversation of this turn
+    opening_tokens: list[int] | None = None  # set when this turn (re)started the trajectory
+
+
+def render_chat(
+    engine: Engine, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+) -> list[int]:
+    tokenizer = engine.tokenizer
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise InvalidRequest(
+            "this model has no chat template: use /v1/completions with a plain prompt"
+        )
+    try:
+        text = tokenizer.apply_chat_template(
+            messages, tools=tools, add_generation_prompt=True, tokenize=False
+        )
+    except Exception as exc:  # jinja2 raises TemplateError, templates raise what they like
+        raise InvalidRequest(f"the chat template refused these messages: {exc}") from exc
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def encode(engine: Engine, prompt: str | list[int], *, special: bool) -> list[int]:
+    tokens = engine.encode(prompt, add_special_tokens=special)
+    limit = engine.vocab_size
+    bad = [t for t in tokens if t < 0 or (limit is not None and t >= limit)]
+    if bad:
+        raise InvalidRequest(
+            f"token id(s) {bad[:5]} out of range [0, {limit}) for this model's vocabulary"
+        )
+    return tokens
+
+
+def check_fits(engine: Engine, total: int) -> None:
+    """The engine's own admission checks, made before anything is changed."""
+    if total >= engine.max_model_len:
+        raise PromptTooLong(
+            f"prompt of {total} tokens leaves no room to generate within the model context "
+            f"of {engine.max_model_len} tokens"
+        )
+    capacity = engine.kv.device.num_blocks * engine.kv.block_size
+    if total + 1 > capacity:
+        raise PromptTooLong(
+            f"prompt of {total} tokens exceeds the KV pool of {capacity} tokens: start the "
+            "server with more --kv-blocks / --kv-memory"
+        )
+
+
+def request_adder(
+    *,
+    request_id: str,
+    prompt: PromptSpec,
+    params: SamplingParams,
+    requested_max_tokens: int | None,
+    default_max_tokens: int,
+    salt: str | None,
+    session: SessionSpec | None,
+) -> Callable[[Engine], tuple[str, Submitted]]:
+    """An engine command that adds the request (or session turn) and describes what it did."""
+
+    def add(engine: Engine) -> tuple[str, Submitted]:
+        if session is not None:
+            return _add_turn(engine, session)
+        if prompt.messages is not None:
+            tokens = render_chat(engine, prompt.messages, prompt.tools)
+        else:
+            assert prompt.text_or_ids is not None
+            tokens = encode(engine, prompt.text_or_ids, special=True)
+        if not tokens:
+            raise InvalidRequest("the prompt is empty")
+        check_fits(engine, len(tokens))
+        final = _with_max_tokens(engine, len(tokens))
+        engine.add_request(tokens, final, request_id=request_id, salt=salt)
+        return request_id, Submitted(prompt_tokens=len(tokens))
+
+    def _with_max_tokens(engine: Engine, total: int) -> SamplingParams:
+        max_tokens = resolve_max_tokens(
+            requested_max_tokens, total, engine.max_model_len, default_max_tokens
+        )
+        return replace(params, max_tokens=max_tokens)
+
+    def _add_turn(engine: Engine, spec: SessionSpec) -> tuple[str, Submitted]:
+        current = engine.sessions.get(spec.session_id)
+        if current is None:
+            raise ApiError(404, f"session {spec.session_id!r} was closed", type="not_found_error")
+        if current.active_request is not None:
+            raise ApiError(
+                409,
+                f"session {spec.session_id} is still running turn {current.active_request}: "
+                "wait for it to finish, or fork the session to run turns in parallel",
+                type="conflict_error",
+                param="session_id",
+                code="session_busy",
+            )
+        history = current.tokens
+        conversation: list[dict[str, Any]] | None = None
+        if prompt.messages is not None:
+            full = not history or chat_resends_history(spec.mode, prompt.messages)
+            conversation = prompt.messages if full else spec.conversation + prompt.messages
+            whole = render_chat(engine, conversation, prompt.tools)
+        else:
+            assert prompt.text_or_ids is not None
+            whole = encode(engine, prompt.text_or_ids, special=True)
+            if history and not completion_resends_history(spec.mode, whole, spec.opening_tokens):
+                whole = history + encode(engine, prompt.text_or_ids, special=False)
+        plan = plan_turn(history, whole)
+        if not plan.tokens:
+            raise InvalidRequest("the prompt is empty")
+        check_fits(engine, len(whole))
+        final = _with_max_tokens(engine, len(whole))
+        if plan.restart:
+            log.info(
+                "session %s: prompt diverges from the session's %d tokens at token %d; "
+                "restarting its trajectory from the common prefix",
+                spec.session_id,
+                len(history),
+                plan.divergence_index,
+            )
+            turns = current.turns
+            engine.close_session(current)
+            current = engine.open_session(salt=current.salt, session_id=spec.session_id)
+            current.turns = turns
+        engine.add_request(plan.tokens, final, request_id=request_id, session=current)
+        return request_id, Submitted(
+            prompt_tokens=len(whole),
+            divergence_index=plan.divergence_index,
+            conversation=conversation,
+            opening_tokens=whole if (plan.restart or not history) else None,
+        )
+
+    return add
+
+
+def sampling_params(
+    *,
+    n: int,
+    temperature: float | None,
+    top_p: float | None,
+    top_k: int | None,
+    seed: int | None,
+    stop: Sequence[str],
+    ignore_eos: bool,
+) -> SamplingParams:
+    """OpenAI defaults (temperature 1, top_p 1); max_tokens is set once the prompt is known."""
+    return SamplingParams(
+        max_tokens=1,
+        temperature=1.0 if temperature is None else temperature,
+        top_p=1.0 if top_p is None else top_p,
+        top_k=0 if top_k is None or top_k == -1 else top_k,
+        seed=seed,
+        stop=tuple(stop),
+        ignore_eos=ignore_eos,
+        n=n,
+    )

@@ -1,0 +1,191 @@
+"""Assemble a simulation: model geometry + node -> cost model, KV pool, engine; then run it.
+
+The simulated engine is a normal `kvpilot.engine.Engine` whose executor is a
+`SimulatedRunner` on a `VirtualClock`. Its KV pool is what `kvpilot plan` leaves on one
+device of the TP group (HBM minus weights minus reserve, in blocks), unless ``kv_blocks``
+overrides it. The simulator runs one model replica (one TP group); a node holding several
+replicas serves that many times the simulated throughput.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvpilot.engine.clock import VirtualClock
+from kvpilot.engine.config import EngineConfig
+from kvpilot.engine.engine import Engine
+from kvpilot.errors import ConfigError
+from kvpilot.geometry import ModelGeometry, resolve_geometry
+from kvpilot.hardware import Node, parse_node
+from kvpilot.plan import DEFAULT_RESERVE_BYTES_PER_DEVICE, block_sizing, memory_budget
+from kvpilot.sim.cost_model import (
+    CalibratedCostModel,
+    RooflineCostModel,
+    StepCostModel,
+    StepProfile,
+)
+from kvpilot.sim.drivers import AgentDriver, ReplayDriver
+from kvpilot.sim.policies import apply_policy, resolve_policy
+from kvpilot.sim.replay import ReplaySession
+from kvpilot.sim.report import SimResult
+from kvpilot.sim.runner import SimulatedRunner
+from kvpilot.sim.simulator import Simulator
+from kvpilot.sim.workload import WorkloadConfig
+
+DEFAULT_MAX_MODEL_LEN = 131072
+
+
+@dataclass(frozen=True, slots=True)
+class SimSetup:
+    """What to simulate: the model, the node, the engine knobs and the run length."""
+
+    model: str = "llama-3-70b"
+    node: str = "8xh100"
+    tp: int | None = None
+    kv_blocks: int | None = None
+    reserve_bytes_per_device: float = DEFAULT_RESERVE_BYTES_PER_DEVICE
+    mfu: float = 0.5
+    hbm_efficiency: float = 0.8
+    step_overhead_s: float = 1e-3
+    profile: Path | None = None
+    engine: EngineConfig = dataclasses.field(
+        default_factory=lambda: EngineConfig(max_num_seqs=256, max_num_batched_tokens=2048)
+    )
+    max_model_len: int = DEFAULT_MAX_MODEL_LEN
+    duration_s: float = 3600.0
+    sample_interval_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.duration_s <= 0:
+            raise ConfigError(f"--duration must be positive, got {self.duration_s}")
+        if self.kv_blocks is not None and self.kv_blocks < 1:
+            raise ConfigError("--kv-blocks must be positive")
+        if self.max_model_len < 2:
+            raise ConfigError("--max-model-len must be at least 2")
+
+    def geometry(self) -> ModelGeometry:
+        return resolve_geometry(self.model)
+
+    def parsed_node(self) -> Node:
+        return parse_node(self.node)
+
+    def tp_degree(self) -> int:
+        return self.parsed_node().count if self.tp is None else self.tp
+
+
+def kv_pool_blocks(
+    geometry: ModelGeometry,
+    node: Node,
+    tp: int,
+    block_size: int = 16,
+    reserve_bytes_per_device: float = DEFAULT_RESERVE_BYTES_PER_DEVICE,
+) -> int:
+    """Blocks of one device's KV pool (every device of the group holds its share of each)."""
+    budget = memory_budget(geometry, node, tp, reserve_bytes_per_device)
+    row = block_sizing(budget.pool_bytes_per_device, geometry.bytes_per_token(tp), block_size, 0)
+    return row.num_blocks
+
+
+def make_cost_model(setup: SimSetup) -> StepCostModel:
+    block = setup.engine.block_size
+    if setup.profile is not None:
+        profile = StepProfile.load(setup.profile)
+        if profile.block_size != block:
+            raise ConfigError(
+                f"profile {setup.profile} was measured at block size {profile.block_size}, "
+                f"the engine uses {block}"
+            )
+        return CalibratedCostModel(profile)
+    return RooflineCostModel(
+        setup.geometry(),
+        setup.parsed_node(),
+        setup.tp,
+        mfu=setup.mfu,
+        hbm_efficiency=setup.hbm_efficiency,
+        step_overhead_s=setup.step_overhead_s,
+        block_size=block,
+    )
+
+
+def build_engine(
+    setup: SimSetup, vocab_size: int, policy: str = "default"
+) -> tuple[Engine, str | None]:
+    """A simulated engine for ``setup`` under ``policy``, and the policy's note (if any)."""
+    config, note = apply_policy(resolve_policy(policy), setup.engine)
+    cost = make_cost_model(setup)
+    blocks = setup.kv_blocks
+    if blocks is None:
+        node = setup.parsed_node()
+        blocks = kv_pool_blocks(
+            setup.geometry(),
+            node,
+            setup.tp_degree(),
+            config.block_size,
+            setup.reserve_bytes_per_device,
+        )
+    clock = VirtualClock()
+    runner = SimulatedRunner(
+        cost, clock, num_blocks=blocks, block_size=config.block_size, vocab_size=vocab_size
+    )
+    engine = Engine(
+        runner,
+        config,
+        tokenizer=None,
+        vocab_size=vocab_size,
+        max_model_len=setup.max_model_len,
+        clock=clock,
+    )
+    return engine, note
+
+
+Workload = WorkloadConfig | Sequence[ReplaySession]
+
+
+def run_simulation(
+    setup: SimSetup,
+    workload: Workload,
+    *,
+    policy: str = "default",
+    time_scale: float = 1.0,
+    vocab_size: int | None = None,
+    on_progress: Callable[[float], None] | None = None,
+) -> SimResult:
+    """Simulate ``workload`` (agent config, or replay sessions) for ``setup.duration_s``."""
+    if isinstance(workload, WorkloadConfig):
+        vocab = workload.vocab_size
+    else:
+        vocab = vocab_size or 32000
+    engine, note = build_engine(setup, vocab, policy)
+    sim = Simulator(
+        engine,
+        duration_s=setup.duration_s,
+        sample_interval_s=setup.sample_interval_s,
+        on_progress=on_progress,
+    )
+    if isinstance(workload, WorkloadConfig):
+        driver: AgentDriver | ReplayDriver = AgentDriver(workload, engine.max_model_len)
+    else:
+        driver = ReplayDriver(list(workload), time_scale)
+    sim.run(driver)
+    if setup.profile is not None:
+        model, node, tp, replicas = setup.model, "calibrated profile", 1, 1
+    else:
+        node_obj = setup.parsed_node()
+        tp = setup.tp_degree()
+        model, node, replicas = setup.geometry().name, node_obj.name, node_obj.count // tp
+    runner = engine.executor
+    assert isinstance(runner, SimulatedRunner)
+    return SimResult.collect(
+        policy,
+        sim,
+        driver.counters(),
+        model=model,
+        node=node,
+        tp=tp,
+        replicas=replicas,
+        cost_model=runner.cost.describe(),
+        note=note,
+    )

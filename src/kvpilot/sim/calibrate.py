@@ -1,0 +1,417 @@
+"""`kvpilot calibrate`: measure the real engine's per-iteration cost and fit a step profile.
+
+The real engine (a local checkpoint, by default the built-in ``tiny``, on CPU) runs a fixed
+set of batches: lone prefills of many lengths, prefills continuing a cached prefix, decode
+batches of 1-16 sequences at several context lengths, and decodes mixed with a prefill
+chunk. Every `Engine.step` is timed whole (scheduler and bookkeeping included, which is what
+the simulator's clock must account for), and the profile is the least-squares fit, in
+relative error and with non-negative coefficients, of::
+
+    step_s = a + b * prefill_tokens + c * decode_seqs + d * kv_read_tokens + e * attention_pairs
+
+`check_replay` then replays the same trace on the real engine and on the simulator with that
+profile (same engine config, same KV pool) and compares throughput and prefix hit rate.
+
+Time is measured as this process's CPU time (`ProcessClock`), with torch on one thread: on
+a shared machine wall time also counts other processes' turns on the cores, which is noise
+the profile must not learn.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvpilot.engine.clock import VirtualClock
+from kvpilot.engine.config import EngineConfig
+from kvpilot.engine.engine import Engine
+from kvpilot.engine.executor import Executor, SeqWork, StepOutput
+from kvpilot.engine.sampling import SamplingParams
+from kvpilot.errors import ConfigError
+from kvpilot.sim.cost_model import (
+    PROFILE_FEATURES,
+    BatchShape,
+    CalibratedCostModel,
+    StepProfile,
+    batch_shape,
+)
+from kvpilot.sim.drivers import ReplayDriver
+from kvpilot.sim.replay import ReplaySession
+from kvpilot.sim.runner import SimulatedRunner
+from kvpilot.sim.simulator import Simulator
+
+CALIBRATION_CONFIG = EngineConfig(max_num_batched_tokens=1024, max_prefill_chunk=512)
+
+
+class ProcessClock:
+    """A `Clock` reading this process's CPU time; ``sleep`` adds idle time without waiting."""
+
+    def __init__(self) -> None:
+        self._idle = 0.0
+
+    def now(self) -> float:
+        return time.process_time() + self._idle
+
+    def sleep(self, seconds: float) -> None:
+        if seconds > 0:
+            self._idle += seconds
+
+
+class TimedExecutor:
+    """A real executor that remembers the shape of each batch and times block copies."""
+
+    def __init__(self, inner: Executor) -> None:
+        self.inner = inner
+        self.block_size = inner.block_size
+        self.num_blocks = inner.num_blocks
+        self.last_shape: BatchShape | None = None
+        self.copies: list[tuple[int, float]] = []
+
+    def execute(self, works: Sequence[SeqWork]) -> StepOutput:
+        self.last_shape = batch_shape(works)
+        return self.inner.execute(works)
+
+    def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
+        t0 = time.process_time()
+        self.inner.copy_blocks(pairs)
+        self.copies.append((len(pairs), time.process_time() - t0))
+
+
+@dataclass(frozen=True, slots=True)
+class StepSample:
+    shape: BatchShape
+    seconds: float
+
+
+@contextlib.contextmanager
+def torch_threads(n: int | None) -> Iterator[None]:
+    """Run with ``n`` torch CPU threads (restored after). One thread measures steadily on a
+    shared machine; more threads spin against each other under contention."""
+    import torch
+
+    if n is None:
+        yield
+        return
+    old = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
+def real_engine(
+    model: str | Path = "tiny",
+    *,
+    kv_blocks: int = 2048,
+    config: EngineConfig = CALIBRATION_CONFIG,
+    device: str = "cpu",
+    dtype: str = "float32",
+) -> tuple[Engine, TimedExecutor]:
+    """The real engine on ``model`` with a `TimedExecutor` around its ModelRunner."""
+    from kvpilot.model.runner import ModelRunner
+
+    runner = ModelRunner(
+        model,
+        num_blocks=kv_blocks,
+        block_size=config.block_size,
+        dtype=dtype,
+        device=device,
+        attention=config.attention,
+    )
+    timed = TimedExecutor(runner)
+    engine = Engine(
+        timed,
+        config,
+        tokenizer=runner.tokenizer,
+        eos_token_ids=runner.eos_token_ids,
+        max_model_len=runner.max_model_len,
+        vocab_size=runner.config.vocab_size,
+        clock=ProcessClock(),
+    )
+    return engine, timed
+
+
+@dataclass(frozen=True, slots=True)
+class _Episode:
+    """Prompts (with max_tokens) submitted together, after ``warm`` is prefilled alone."""
+
+    prompts: list[tuple[list[int], int]]
+    warm: list[int] | None = None
+
+
+def _episodes(rng: random.Random, vocab: int, quick: bool) -> list[_Episode]:
+    def prompt(n: int) -> list[int]:
+        return [rng.randrange(3, vocab) for _ in range(n)]
+
+    if quick:
+        lengths: tuple[int, ...] = (16, 200, 512, 1200)
+        continuations: tuple[tuple[int, int], ...] = ((1000, 60), (600, 300))
+        batch_sizes: tuple[int, ...] = (1, 2, 4, 12)
+        contexts: tuple[int, ...] = (64, 800, 1600)
+        decode_steps, mixed = 6, (3,)
+    else:
+        lengths = (16, 64, 200, 400, 512, 900, 1500, 2000)
+        continuations = ((1000, 24), (600, 200), (1200, 450))
+        batch_sizes = (1, 2, 4, 8, 16)
+        contexts = (32, 300, 800, 1500)
+        decode_steps, mixed = 12, (2, 6)
+    episodes = [_Episode([(prompt(n), 2)]) for n in lengths]
+    for n, extra in continuations:
+        base = prompt(n)
+        episodes.append(_Episode([([*base, *prompt(extra)], 2)], warm=base))
+    for bs in batch_sizes:
+        for ctx in contexts:
+            episodes.append(_Episode([(prompt(ctx), decode_steps) for _ in range(bs)]))
+    for bs in mixed:
+        episodes.append(_Episode([(prompt(300), 24) for _ in range(bs)] + [(prompt(1100), 2)]))
+    return episodes
+
+
+def _run_timed(
+    engine: Engine, timed: TimedExecutor, prompts: list[tuple[list[int], int]], out: list[StepSample]
+) -> None:
+    pending = {
+        engine.add_request(p, SamplingParams(max_tokens=k, ignore_eos=True)) for p, k in prompts
+    }
+    while pending:
+        timed.last_shape = None
+        t0 = time.process_time()
+        outputs = engine.step()
+        dt = time.process_time() - t0
+        if timed.last_shape is not None:
+            out.append(StepSample(timed.last_shape, dt))
+        for o in outputs:
+            if o.finished and o.request_id in pending:
+                pending.discard(o.request_id)
+                engine.pop_output(o.request_id)
+
+
+def measure_steps(
+    engine: Engine,
+    timed: TimedExecutor,
+    *,
+    seed: int = 0,
+    quick: bool = False,
+    rounds: int | None = None,
+    on_progress: Callable[[int, int], None] | None = None,
+) -> list[StepSample]:
+    """Run the calibration episodes ``rounds`` times (shuffled, after a warm-up); time every
+    step. The prefix cache is emptied before each episode so hits are only the intended ones."""
+    vocab = min(engine.vocab_size or 256, 250)
+    rng = random.Random(seed)
+    episodes = _episodes(rng, vocab, quick)
+    plan = [ep for _ in range(rounds or (1 if quick else 2)) for ep in episodes]
+    rng.shuffle(plan)
+    warm_up(engine, timed)
+    samples: list[StepSample] = []
+    everything = engine.kv.device.num_blocks
+    for i, episode in enumerate(plan):
+        engine.kv.radix.evict(everything)
+        if episode.warm is not None:
+            _run_timed(engine, timed, [(episode.warm, 1)], samples)
+        _run_timed(engine, timed, episode.prompts, samples)
+        if on_progress is not None:
+            on_progress(i + 1, len(plan))
+    return samples
+
+
+def fit_profile(
+    samples: Sequence[StepSample],
+    *,
+    model: str,
+    device: str = "cpu",
+    dtype: str = "float32",
+    block_size: int = 16,
+    copy_block_s: float = 0.0,
+    trim: float = 0.1,
+) -> StepProfile:
+    """Least squares in relative error, coefficients >= 0, refit without the worst ``trim``."""
+    if len(samples) < 2 * len(PROFILE_FEATURES):
+        raise ConfigError(
+            f"calibration needs at least {2 * len(PROFILE_FEATURES)} timed steps, "
+            f"got {len(samples)}"
+        )
+    x = np.asarray([s.shape.features() for s in samples], dtype=float)
+    y = np.asarray([s.seconds for s in samples], dtype=float)
+    coef = _nnls_relative(x, y)
+    rel = np.abs(x @ coef - y) / y
+    keep = rel <= np.quantile(rel, 1.0 - trim)
+    coef = _nnls_relative(x[keep], y[keep])
+    pred = x @ coef
+    rel = np.abs(pred - y) / y
+    ss_res = float(((pred - y) ** 2).sum())
+    ss_tot = float(((y - y.mean()) ** 2).sum())
+    return StepProfile(
+        model=model,
+        device=device,
+        dtype=dtype,
+        block_size=block_size,
+        coefficients_s=tuple(float(c) for c in coef),
+        copy_block_s=copy_block_s,
+        samples=len(samples),
+        r2=1.0 - ss_res / ss_tot if ss_tot > 0 else 1.0,
+        median_rel_error=float(np.median(rel)),
+    )
+
+
+def _nnls_relative(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Minimise sum(((x @ c - y) / y)^2) with c >= 0 by dropping negative features in turn."""
+    w = 1.0 / y
+    active = list(range(x.shape[1]))
+    coef = np.zeros(x.shape[1])
+    while active:
+        sol, *_ = np.linalg.lstsq(x[:, active] * w[:, None], y * w, rcond=None)
+        if (sol >= 0).all():
+            coef[:] = 0.0
+            coef[active] = sol
+            return coef
+        del active[int(np.argmin(sol))]
+    return coef
+
+
+def calibrate(
+    model: str | Path = "tiny",
+    *,
+    kv_blocks: int = 2048,
+    config: EngineConfig = CALIBRATION_CONFIG,
+    seed: int = 0,
+    quick: bool = False,
+    threads: int | None = 1,
+    on_progress: Callable[[int, int], None] | None = None,
+) -> StepProfile:
+    """Measure ``model`` on the real engine and fit its step profile."""
+    with torch_threads(threads):
+        engine, timed = real_engine(model, kv_blocks=kv_blocks, config=config)
+        samples = measure_steps(
+            engine, timed, seed=seed, quick=quick, on_progress=on_progress
+        )
+        copy_s = _measure_copy(timed)
+    return fit_profile(
+        samples,
+        model=str(model),
+        device=config.device,
+        dtype=config.dtype,
+        block_size=config.block_size,
+        copy_block_s=copy_s,
+    )
+
+
+def _measure_copy(timed: TimedExecutor, n: int = 64) -> float:
+    """Seconds per block of a device-internal copy (fork tails), from a batch of copies."""
+    pairs = [(i, i + n) for i in range(min(n, timed.num_blocks // 2))]
+    if not pairs:
+        return 0.0
+    t0 = time.process_time()
+    timed.inner.copy_blocks(pairs)
+    return (time.process_time() - t0) / len(pairs)
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayCheck:
+    """The same replay on the real engine and on the simulator with a profile."""
+
+    calls: int
+    real_makespan_s: float
+    sim_makespan_s: float
+    real_tokens: int
+    sim_tokens: int
+    real_hit_rate: float
+    sim_hit_rate: float
+
+    @property
+    def real_throughput(self) -> float:
+        return self.real_tokens / self.real_makespan_s
+
+    @property
+    def sim_throughput(self) -> float:
+        return self.sim_tokens / self.sim_makespan_s
+
+    @property
+    def throughput_error(self) -> float:
+        return abs(self.sim_throughput - self.real_throughput) / self.real_throughput
+
+    @property
+    def hit_rate_error(self) -> float:
+        if self.real_hit_rate == 0:
+            return abs(self.sim_hit_rate)
+        return abs(self.sim_hit_rate - self.real_hit_rate) / self.real_hit_rate
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "calls": self.calls,
+            "real_makespan_s": self.real_makespan_s,
+            "sim_makespan_s": self.sim_makespan_s,
+            "real_tokens_per_s": self.real_throughput,
+            "sim_tokens_per_s": self.sim_throughput,
+            "real_hit_rate": self.real_hit_rate,
+            "sim_hit_rate": self.sim_hit_rate,
+            "throughput_error": self.throughput_error,
+            "hit_rate_error": self.hit_rate_error,
+        }
+
+
+def warm_up(engine: Engine, timed: TimedExecutor) -> None:
+    """A first batch pays torch's one-time costs; run one, then forget it (cache and stats)."""
+    _run_timed(engine, timed, [([5] * 300, 4), ([6] * 40, 4)], [])
+    engine.kv.radix.evict(engine.kv.device.num_blocks)
+    engine.kv.radix.stats = type(engine.kv.radix.stats)()
+    engine.stats = type(engine.stats)()
+    engine.scheduler.num_preemptions = 0
+
+
+def _replay(engine: Engine, sessions: Sequence[ReplaySession]) -> tuple[float, int, float, int]:
+    sim = Simulator(engine, duration_s=1e9, sample_interval_s=1e9)
+    driver = ReplayDriver(list(sessions), time_scale=0.0)
+    sim.run(driver)
+    stats = engine.stats
+    return sim.now, stats.prefill_tokens + stats.decode_tokens, stats.hit_rate, driver.calls
+
+
+def check_replay(
+    profile: StepProfile,
+    sessions: Sequence[ReplaySession],
+    *,
+    model: str | Path = "tiny",
+    kv_blocks: int = 2048,
+    config: EngineConfig = CALIBRATION_CONFIG,
+    threads: int | None = 1,
+) -> ReplayCheck:
+    """Replay ``sessions`` back to back on the real engine and on the simulator."""
+    with torch_threads(threads):
+        real, timed = real_engine(model, kv_blocks=kv_blocks, config=config)
+        warm_up(real, timed)
+        real_s, real_tokens, real_hit, calls = _replay(real, sessions)
+    clock = VirtualClock()
+    runner = SimulatedRunner(
+        CalibratedCostModel(profile),
+        clock,
+        num_blocks=kv_blocks,
+        block_size=config.block_size,
+        vocab_size=real.vocab_size or 32000,
+    )
+    simulated = Engine(
+        runner,
+        config,
+        vocab_size=real.vocab_size,
+        max_model_len=real.max_model_len,
+        clock=clock,
+    )
+    sim_s, sim_tokens, sim_hit, _ = _replay(simulated, sessions)
+    return ReplayCheck(calls, real_s, sim_s, real_tokens, sim_tokens, real_hit, sim_hit)
+
+
+def tokenizer_of(model: str | Path = "tiny") -> Callable[[str], list[int]]:
+    """The model's own tokenizer as a text -> ids function (no special tokens)."""
+    from kvpilot.model.loader import resolve_model_path
+    from kvpilot.model.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(resolve_model_path(model))
+    return lambda text: list(tok.encode(text, add_special_tokens=False))

@@ -1,0 +1,231 @@
+"""Workload drivers: agent trajectories as engine sessions, and trace replay.
+
+`AgentDriver` runs each trajectory of a `WorkloadConfig` as an engine session: the first
+turn submits ``system + tools + task``; when a turn finishes, the next one arrives after its
+tool wait and appends its observation (``session.submit``). A fork calls ``session.fork(n)``;
+the branches run their turns while the parent waits, then the parent resumes. With an
+unstable layout each call re-sends the whole context with a fresh volatile token in a new
+session (the old one closes; its blocks stay in the prefix cache), so the cache can reuse
+only what precedes the volatile token.
+
+`ReplayDriver` sends each recorded call as a whole prompt (see `kvpilot.sim.replay`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from dataclasses import dataclass
+
+from kvpilot.engine.request import RequestOutput
+from kvpilot.engine.session import Session
+from kvpilot.sim.replay import ReplaySession
+from kvpilot.sim.simulator import Simulator
+from kvpilot.sim.workload import TrajectorySpec, TurnSpec, WorkloadConfig, WorkloadGenerator
+
+
+@dataclass(eq=False, slots=True)
+class _Actor:
+    """A trajectory, or one branch of a fork, as it runs."""
+
+    uid: int
+    spec: TrajectorySpec
+    turns: tuple[TurnSpec, ...]
+    session: Session
+    parent: _Actor | None = None
+    turn: int = 0
+    calls: int = 0
+    branches_left: int = 0
+
+
+class AgentDriver:
+    def __init__(self, config: WorkloadConfig, max_model_len: int = 1 << 30) -> None:
+        self.config = config
+        self.generator = WorkloadGenerator(config)
+        self.max_model_len = max_model_len
+        self.started = 0
+        self.completed = 0
+        self.truncated = 0
+        self.forks = 0
+        self.calls = 0
+        self._open = 0
+        self._backlog = 0
+        self._next_index = 0
+        self._uids = itertools.count()
+        self._arrivals = random.Random(f"{config.seed}:arrivals")
+        self._unstable = config.layout == "unstable"
+        self._volatile_at = self.generator.volatile_position()
+        self._sim: Simulator | None = None
+
+    def counters(self) -> dict[str, int]:
+        return {
+            "trajectories_started": self.started,
+            "trajectories_completed": self.completed,
+            "trajectories_truncated": self.truncated,
+            "forks": self.forks,
+            "calls": self.calls,
+            "arrivals_waiting": self._backlog,
+        }
+
+    @property
+    def sim(self) -> Simulator:
+        assert self._sim is not None, "start() the driver first"
+        return self._sim
+
+    def start(self, sim: Simulator) -> None:
+        self._sim = sim
+        arrival = self.config.arrival
+        if arrival.concurrent is not None:
+            n = arrival.concurrent
+            for i in range(n):
+                sim.at(arrival.ramp_s * i / n, self._begin)
+        else:
+            sim.at(self._interarrival(), self._arrive)
+
+    def _interarrival(self) -> float:
+        rate = self.config.arrival.rate_per_s
+        assert rate is not None
+        return self._arrivals.expovariate(rate)
+
+    def _arrive(self) -> None:
+        self.sim.after(self._interarrival(), self._arrive)
+        cap = self.config.arrival.max_open
+        if cap is not None and self._open >= cap:
+            self._backlog += 1
+        else:
+            self._begin()
+
+    def _begin(self) -> None:
+        index = self._next_index
+        self._next_index += 1
+        spec = self.generator.trajectory(index)
+        session = self.sim.engine.open_session()
+        actor = _Actor(next(self._uids), spec, spec.turns, session)
+        self.started += 1
+        self._open += 1
+        prompt = self.generator.first_prompt(spec)
+        if self._unstable:
+            prompt.insert(self._volatile_at, self._volatile(actor))
+        self._send(actor, prompt)
+
+    def _volatile(self, actor: _Actor) -> int:
+        return self.generator.volatile_token(actor.uid, actor.calls)
+
+    def _send(self, actor: _Actor, prompt: list[int]) -> None:
+        turn = actor.turns[actor.turn]
+        actor.calls += 1
+        self.calls += 1
+        rid = self.sim.submit(
+            prompt, turn.output_tokens, lambda out: self._done(actor, out), session=actor.session
+        )
+        if rid is None:
+            self.truncated += 1
+            self._end(actor)
+
+    def _next_call(self, actor: _Actor) -> None:
+        turn = actor.turns[actor.turn]
+        new = self.generator.content(turn.content_seed, turn.new_tokens)
+        if not self._unstable:
+            self._send(actor, new)
+            return
+        context = actor.session.tokens
+        v = self._volatile_at
+        context[v] = self._volatile(actor)
+        actor.session.close()
+        actor.session = self.sim.engine.open_session()
+        self._send(actor, context + new)
+
+    def _done(self, actor: _Actor, out: RequestOutput) -> None:
+        fork = actor.turns[actor.turn].fork
+        if fork is not None and not actor.session.closed:
+            children = actor.session.fork(len(fork.branches))
+            self.forks += 1
+            actor.branches_left = len(children)
+            for child_session, turns in zip(children, fork.branches, strict=True):
+                child = _Actor(next(self._uids), actor.spec, turns, child_session, parent=actor)
+                child.turn = -1
+                self._advance(child)
+            return
+        self._advance(actor)
+
+    def _advance(self, actor: _Actor) -> None:
+        actor.turn += 1
+        if actor.turn >= len(actor.turns):
+            self._end(actor)
+            return
+        turn = actor.turns[actor.turn]
+        if actor.session.num_tokens + turn.new_tokens + turn.output_tokens >= self.max_model_len:
+            self.truncated += 1
+            self._end(actor)
+            return
+        self.sim.after(turn.wait_before_s, lambda: self._next_call(actor))
+
+    def _end(self, actor: _Actor) -> None:
+        actor.session.close()
+        parent = actor.parent
+        if parent is not None:
+            parent.branches_left -= 1
+            if parent.branches_left == 0:
+                self._advance(parent)
+            return
+        self.completed += 1
+        self._open -= 1
+        if self.config.arrival.concurrent is not None:
+            self._begin()
+        elif self._backlog:
+            self._backlog -= 1
+            self._begin()
+
+
+class ReplayDriver:
+    """Replays sessions: call i+1 at its recorded offset x ``time_scale``, after call i ends."""
+
+    def __init__(self, sessions: list[ReplaySession], time_scale: float = 1.0) -> None:
+        if time_scale < 0:
+            raise ValueError("time_scale must not be negative")
+        self.sessions = sessions
+        self.time_scale = time_scale
+        self.started = 0
+        self.completed = 0
+        self.calls = 0
+        self.rejected = 0
+        self._sim: Simulator | None = None
+
+    def counters(self) -> dict[str, int]:
+        return {
+            "trajectories_started": self.started,
+            "trajectories_completed": self.completed,
+            "calls": self.calls,
+            "calls_rejected": self.rejected,
+        }
+
+    def start(self, sim: Simulator) -> None:
+        self._sim = sim
+        for session in self.sessions:
+            t = session.calls[0].offset_s * self.time_scale
+            sim.at(t, lambda s=session: self._begin(s))
+
+    def _begin(self, session: ReplaySession) -> None:
+        self.started += 1
+        self._send(session, 0)
+
+    def _send(self, session: ReplaySession, i: int) -> None:
+        sim = self._sim
+        assert sim is not None
+        call = session.calls[i]
+        self.calls += 1
+        rid = sim.submit(
+            call.prompt, call.output_tokens, lambda _out: self._done(session, i)
+        )
+        if rid is None:
+            self.rejected += 1
+            self._done(session, i)
+
+    def _done(self, session: ReplaySession, i: int) -> None:
+        sim = self._sim
+        assert sim is not None
+        if i + 1 >= len(session.calls):
+            self.completed += 1
+            return
+        t = max(sim.now, session.calls[i + 1].offset_s * self.time_scale)
+        sim.at(t, lambda: self._send(session, i + 1))

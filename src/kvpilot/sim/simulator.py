@@ -1,0 +1,260 @@
+"""The event loop: drive an `Engine` with a workload, on whatever clock the engine has.
+
+One loop for both executors. On a `VirtualClock` (the simulator) idle time is skipped by
+advancing the clock to the next event; on a wall clock (calibration against the real
+engine) it is slept. Every iteration:
+
+1. fire the workload events that are due (turn arrivals after tool waits, forks, new
+   trajectories); they submit requests to the engine;
+2. run one engine step if the engine has work; hand finished requests back to the workload;
+3. when nothing could run (idle, or every waiting request blocked by admission), move to the
+   next event; with no event left, stop;
+4. sample telemetry every ``sample_interval_s``.
+
+It stops at ``duration_s`` (requests still in flight are not counted as finished turns).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from array import array
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from kvpilot.engine.engine import Engine
+from kvpilot.engine.request import RequestOutput
+from kvpilot.engine.sampling import SamplingParams
+from kvpilot.engine.session import Session
+from kvpilot.errors import InvalidRequest
+
+OnDone = Callable[[RequestOutput], None]
+
+
+class Driver(Protocol):
+    """A workload: it schedules events on the simulator and reacts to finished requests."""
+
+    def start(self, sim: Simulator) -> None: ...
+
+    def counters(self) -> dict[str, int]: ...
+
+
+@dataclass(slots=True)
+class Samples:
+    """Telemetry sampled over time (one row per sample)."""
+
+    time_s: list[float] = field(default_factory=list)
+    kv_usage: list[float] = field(default_factory=list)  # U_KV: blocks allocated / total
+    kv_held: list[float] = field(default_factory=list)  # not counting evictable cached blocks
+    running: list[int] = field(default_factory=list)
+    waiting: list[int] = field(default_factory=list)
+    resident: list[int] = field(default_factory=list)  # trajectories holding device KV
+    itl_p50_s: list[float] = field(default_factory=list)  # over tokens since the last sample
+    itl_p99_s: list[float] = field(default_factory=list)
+    ttft_p50_s: list[float] = field(default_factory=list)  # over turns finished since then
+    ttft_p99_s: list[float] = field(default_factory=list)
+
+    def as_arrays(self) -> dict[str, np.ndarray]:
+        return {name: np.asarray(getattr(self, name), dtype=float) for name in self.__slots__}
+
+
+@dataclass(slots=True)
+class TurnLog:
+    """Per finished request: intended arrival, first token, finish, prompt/cached/output tokens."""
+
+    arrival_s: array = field(default_factory=lambda: array("d"))
+    first_token_s: array = field(default_factory=lambda: array("d"))
+    finish_s: array = field(default_factory=lambda: array("d"))
+    prompt_tokens: array = field(default_factory=lambda: array("q"))
+    cached_tokens: array = field(default_factory=lambda: array("q"))
+    output_tokens: array = field(default_factory=lambda: array("q"))
+
+    def __len__(self) -> int:
+        return len(self.finish_s)
+
+    def ttft_s(self) -> np.ndarray:
+        first = np.asarray(self.first_token_s)
+        arrival = np.asarray(self.arrival_s)
+        ok = ~np.isnan(first)
+        return first[ok] - arrival[ok]
+
+
+@dataclass(slots=True)
+class _Pending:
+    on_done: OnDone
+    arrival_s: float
+
+
+class Simulator:
+    """Runs a `Driver` against ``engine`` for ``duration_s`` of the engine clock's time."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        duration_s: float,
+        sample_interval_s: float = 1.0,
+        on_progress: Callable[[float], None] | None = None,
+    ) -> None:
+        if duration_s <= 0:
+            raise ValueError(f"duration must be positive, got {duration_s}")
+        if sample_interval_s <= 0:
+            raise ValueError(f"sample interval must be positive, got {sample_interval_s}")
+        self.engine = engine
+        self.clock = engine.clock
+        self.duration_s = duration_s
+        self.sample_interval_s = sample_interval_s
+        self.on_progress = on_progress
+        self.t0 = self.clock.now()
+        self.turns = TurnLog()
+        self.samples = Samples()
+        self.itl_s = array("f")
+        self.rejected = 0
+        self.stalled = False
+        self.wall_s = 0.0
+        self._events: list[tuple[float, int, Callable[[], None]]] = []
+        self._seq = itertools.count()
+        self._pending: dict[str, _Pending] = {}
+        self._ttft_mark = 0
+        self._event_time: float | None = None
+
+    # -- what drivers use ----------------------------------------------------------------
+
+    @property
+    def now(self) -> float:
+        """Seconds since the simulation started."""
+        return self.clock.now() - self.t0
+
+    def at(self, t: float, fn: Callable[[], None]) -> None:
+        """Run ``fn`` at simulation time ``t`` (or right away if that is past)."""
+        heapq.heappush(self._events, (t, next(self._seq), fn))
+
+    def after(self, delay_s: float, fn: Callable[[], None]) -> None:
+        self.at(self.now + max(0.0, delay_s), fn)
+
+    def submit(
+        self,
+        prompt: Sequence[int],
+        max_tokens: int,
+        on_done: OnDone,
+        *,
+        session: Session | None = None,
+        arrival_s: float | None = None,
+    ) -> str | None:
+        """Send a request (a session's next turn when ``session`` is given).
+
+        Returns its id, or None when the engine rejects it (e.g. longer than the KV pool);
+        ``arrival_s`` is when it was meant to arrive, for TTFT (default: the time of the
+        event being fired, which may be a step earlier than now).
+        """
+        params = SamplingParams(max_tokens=max(1, max_tokens), ignore_eos=True)
+        try:
+            if session is not None:
+                rid = session.submit(prompt, params)
+            else:
+                rid = self.engine.add_request(prompt, params)
+        except InvalidRequest:
+            self.rejected += 1
+            return None
+        if arrival_s is None:
+            arrival_s = self.now if self._event_time is None else self._event_time
+        self._pending[rid] = _Pending(on_done, arrival_s)
+        return rid
+
+    # -- the loop ------------------------------------------------------------------------
+
+    def run(self, driver: Driver) -> None:
+        engine = self.engine
+        stats = engine.stats
+        end = self.duration_s
+        next_sample = 0.0
+        wall0 = time.perf_counter()
+        driver.start(self)
+        while True:
+            now = self.now
+            events = self._events
+            while events and events[0][0] <= now:
+                t, _, fn = heapq.heappop(events)
+                self._event_time = t
+                fn()
+                self._event_time = None
+            if now >= end:
+                break
+            if now >= next_sample:
+                self._sample(now)
+                next_sample = now + self.sample_interval_s
+                if self.on_progress is not None:
+                    self.on_progress(now)
+            if engine.has_unfinished():
+                steps = stats.steps
+                outputs = engine.step()
+                for out in outputs:
+                    if out.finished:
+                        self._complete(out)
+                if stats.steps != steps or outputs:
+                    continue
+            # Nothing ran: idle, or every waiting request is held back by admission.
+            if not events:
+                self.stalled = engine.has_unfinished()
+                break
+            self._wait_until(min(events[0][0], end))
+        self._sample(min(self.now, end))
+        self.wall_s = time.perf_counter() - wall0
+
+    def _wait_until(self, t: float) -> None:
+        dt = t - self.now
+        if dt > 0:
+            self.clock.sleep(dt)
+
+    def _complete(self, out: RequestOutput) -> None:
+        rid = out.request_id
+        pending = self._pending.pop(rid, None)
+        self.engine.pop_output(rid)
+        if pending is None:
+            return
+        log = self.turns
+        log.arrival_s.append(pending.arrival_s)
+        first = out.first_token_time
+        log.first_token_s.append(float("nan") if first is None else first - self.t0)
+        log.finish_s.append(self.now)
+        log.prompt_tokens.append(out.prompt_tokens)
+        log.cached_tokens.append(out.cached_tokens)
+        log.output_tokens.append(out.generated_tokens)
+        pending.on_done(out)
+
+    def _sample(self, now: float) -> None:
+        engine = self.engine
+        s = self.samples
+        kv = engine.kv
+        s.time_s.append(now)
+        s.kv_usage.append(kv.device.usage)
+        s.kv_held.append(engine.scheduler.held_usage())
+        s.running.append(len(engine.scheduler.running))
+        s.waiting.append(len(engine.scheduler.waiting))
+        s.resident.append(sum(1 for t in kv.trajectories.values() if t.block_table))
+        # The engine keeps every ITL in a list; move them here (4 bytes each) to bound memory.
+        new_itl = engine.stats.itl_s
+        self.itl_s.extend(new_itl)
+        window = np.asarray(new_itl, dtype=float)
+        new_itl.clear()
+        log = self.turns
+        mark = self._ttft_mark
+        first = np.asarray(log.first_token_s[mark:])
+        ttft = first - np.asarray(log.arrival_s[mark:])
+        ttft = ttft[~np.isnan(first)]
+        self._ttft_mark = len(log)
+        for values, p50, p99 in (
+            (window, s.itl_p50_s, s.itl_p99_s),
+            (ttft, s.ttft_p50_s, s.ttft_p99_s),
+        ):
+            if len(values):
+                a, b = np.percentile(values, [50, 99])
+                p50.append(float(a))
+                p99.append(float(b))
+            else:
+                p50.append(float("nan"))
+                p99.append(float("nan"))

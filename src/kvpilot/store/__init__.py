@@ -1,0 +1,17 @@
+"""The disk tier: a verified, restart-safe block store and the store of paused sessions."""
+
+from __future__ import annotations
+
+from kvpilot.store.disk import KEY_BYTES, BlockData, DiskBlockStore
+from kvpilot.store.session_store import SessionStore, StoredSession
+from kvpilot.store.stats import BandwidthEma, DiskStoreStats
+
+__all__ = [
+    "KEY_BYTES",
+    "BandwidthEma",
+    "BlockData",
+    "DiskBlockStore",
+    "DiskStoreStats",
+    "SessionStore",
+    "StoredSession",
+]

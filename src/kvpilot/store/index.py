@@ -1,0 +1,129 @@
+"""The disk tier's SQLite index: key -> slot, length, checksum and times, plus the geometry."""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvpilot.errors import ConfigError
+
+INDEX_FILENAME = "index.sqlite3"
+SCHEMA_VERSION = 1
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS geometry (
+    name TEXT PRIMARY KEY,
+    value INTEGER NOT NULL
+);
+CREATE TABLE IF NOT EXISTS blocks (
+    key BLOB PRIMARY KEY,
+    slot INTEGER NOT NULL UNIQUE CHECK (slot >= 0),
+    length INTEGER NOT NULL CHECK (length >= 0),
+    checksum BLOB NOT NULL,
+    created REAL NOT NULL,
+    last_access REAL NOT NULL
+);
+"""
+
+
+@dataclass(slots=True)
+class IndexEntry:
+    """Where a block lives and how to verify it. Mutable: ``last_access`` moves on every use."""
+
+    slot: int
+    length: int
+    checksum: bytes
+    created: float
+    last_access: float
+
+
+class BlockIndex:
+    """One SQLite connection, used by one thread at a time (the store serialises access).
+
+    Changes are applied in one transaction per ``commit``, deletions first, so a slot handed
+    from an evicted block to a new one never has two rows at once.
+    """
+
+    def __init__(self, path: Path, *, num_slots: int, block_bytes: int, create: bool) -> None:
+        if not create and not path.exists():
+            raise ConfigError(
+                f"no disk block store at {path.parent} ({path.name} is missing); "
+                "pass create=True to start an empty one"
+            )
+        self.path = path
+        self._conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        try:
+            self._init_schema(num_slots, block_bytes)
+        except sqlite3.DatabaseError as exc:
+            self._conn.close()
+            raise ConfigError(
+                f"{path} is not a readable kvpilot disk index ({exc}); "
+                "remove the directory or point the store at another one"
+            ) from exc
+        except BaseException:
+            self._conn.close()
+            raise
+
+    def _init_schema(self, num_slots: int, block_bytes: int) -> None:
+        conn = self._conn
+        conn.execute("PRAGMA journal_mode=WAL")
+        # In WAL mode NORMAL survives a process crash; a power loss may drop the last commits,
+        # which loses rows, never points a row at unwritten data.
+        conn.execute("PRAGMA synchronous=NORMAL")
+        version = conn.execute("PRAGMA user_version").fetchone()[0]
+        if version not in (0, SCHEMA_VERSION):
+            raise ConfigError(
+                f"{self.path} has index schema version {version}, this kvpilot reads "
+                f"version {SCHEMA_VERSION}; remove the directory to start an empty store"
+            )
+        conn.executescript(_SCHEMA)
+        stored = dict(conn.execute("SELECT name, value FROM geometry").fetchall())
+        wanted = {"num_slots": num_slots, "block_bytes": block_bytes}
+        if not stored:
+            conn.execute("BEGIN")
+            conn.executemany("INSERT INTO geometry VALUES (?, ?)", wanted.items())
+            conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+            conn.execute("COMMIT")
+        elif stored != wanted:
+            raise ConfigError(
+                f"disk block store at {self.path.parent} was created with "
+                f"num_slots={stored.get('num_slots')}, block_bytes={stored.get('block_bytes')}, "
+                f"but was opened with num_slots={num_slots}, block_bytes={block_bytes}; "
+                "open it with its original geometry, or use a new directory"
+            )
+
+    def load(self) -> list[tuple[bytes, IndexEntry]]:
+        """Every row, least recently used first."""
+        rows = self._conn.execute(
+            "SELECT key, slot, length, checksum, created, last_access FROM blocks "
+            "ORDER BY last_access, created, slot"
+        ).fetchall()
+        return [(bytes(key), IndexEntry(*rest)) for key, *rest in rows]
+
+    def commit(
+        self,
+        *,
+        deletes: Iterable[bytes] = (),
+        inserts: Iterable[tuple[bytes, IndexEntry]] = (),
+        touches: Iterable[tuple[bytes, float]] = (),
+    ) -> None:
+        conn = self._conn
+        conn.execute("BEGIN")
+        try:
+            conn.executemany("DELETE FROM blocks WHERE key = ?", ((k,) for k in deletes))
+            conn.executemany(
+                "INSERT INTO blocks VALUES (?, ?, ?, ?, ?, ?)",
+                ((k, e.slot, e.length, e.checksum, e.created, e.last_access) for k, e in inserts),
+            )
+            conn.executemany(
+                "UPDATE blocks SET last_access = ? WHERE key = ?", ((t, k) for k, t in touches)
+            )
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+        conn.execute("COMMIT")
+
+    def close(self) -> None:
+        self._conn.close()

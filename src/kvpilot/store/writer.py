@@ -1,0 +1,116 @@
+"""One background thread that runs a batch function over queued items (group commit)."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+from kvpilot.errors import KvpilotError
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+@dataclass(slots=True)
+class _Job(Generic[T]):
+    items: Sequence[T]
+    future: Future[Any]
+    single: bool
+
+
+class BatchWriter(Generic[T, R]):
+    """Runs ``process`` on a dedicated thread, over batches of submitted items.
+
+    Jobs run in submission order. Every job queued while a batch is in progress joins the next
+    batch (up to ``max_batch`` items; a single job is never split), so many small submissions
+    share one fsync and one index commit. ``process`` must return one result per item, in
+    order; if it raises, every future of that batch gets the exception. A job whose future was
+    cancelled before its batch started is skipped. ``close`` runs every job already queued.
+    """
+
+    def __init__(
+        self, process: Callable[[list[T]], list[R]], *, name: str, max_batch: int = 256
+    ) -> None:
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        self._process = process
+        self._max_batch = max_batch
+        self._queue: queue.SimpleQueue[_Job[T] | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._pending = 0
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    @property
+    def pending(self) -> int:
+        """Items submitted and not finished yet."""
+        return self._pending
+
+    def submit(self, items: Sequence[T]) -> Future[list[R]]:
+        return self._enqueue(items, single=False)
+
+    def submit_one(self, item: T) -> Future[R]:
+        return self._enqueue((item,), single=True)
+
+    def close(self) -> None:
+        """Finishes every queued job, then stops the thread. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._queue.put(None)
+        self._thread.join()
+
+    def _enqueue(self, items: Sequence[T], *, single: bool) -> Future[Any]:
+        future: Future[Any] = Future()
+        with self._lock:
+            if self._closed:
+                raise KvpilotError(f"{self._thread.name} is closed; no more writes are accepted")
+            self._pending += len(items)
+            self._queue.put(_Job(items, future, single))
+        return future
+
+    def _run(self) -> None:
+        stop = False
+        while not stop:
+            job = self._queue.get()
+            if job is None:
+                return
+            batch = [job]
+            size = len(job.items)
+            while size < self._max_batch:
+                try:
+                    nxt = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is None:
+                    stop = True
+                    break
+                batch.append(nxt)
+                size += len(nxt.items)
+            self._run_batch(batch)
+
+    def _run_batch(self, batch: list[_Job[T]]) -> None:
+        live = [job for job in batch if job.future.set_running_or_notify_cancel()]
+        items = [item for job in live for item in job.items]
+        try:
+            results = self._process(items) if live else []
+        except BaseException as exc:
+            for job in live:
+                job.future.set_exception(exc)
+            results = None
+        finally:
+            with self._lock:
+                self._pending -= sum(len(job.items) for job in batch)
+        if results is None:
+            return
+        start = 0
+        for job in live:
+            chunk = results[start : start + len(job.items)]
+            start += len(job.items)
+            job.future.set_result(chunk[0] if job.single else chunk)

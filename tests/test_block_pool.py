@@ -1,0 +1,149 @@
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvpilot.errors import ConfigError, OutOfBlocks
+from kvpilot.memory import BlockPool, Tier
+
+
+def test_allocate_returns_distinct_blocks_with_refcount_one() -> None:
+    pool = BlockPool(8)
+    blocks = pool.allocate(3)
+    assert len(set(blocks)) == 3
+    assert all(pool.refcount(b) == 1 for b in blocks)
+    assert pool.num_free == 5 and pool.num_used == 3
+
+
+def test_free_list_is_lifo() -> None:
+    pool = BlockPool(8)
+    a, b = pool.allocate(2)
+    pool.decref(a)
+    pool.decref(b)
+    assert pool.allocate(1) == [b]
+    assert pool.allocate(1) == [a]
+
+
+def test_out_of_blocks_has_no_side_effect_on_the_pool() -> None:
+    pool = BlockPool(4, Tier.HOST)
+    pool.allocate(3)
+    with pytest.raises(OutOfBlocks) as info:
+        pool.allocate(2)
+    assert (info.value.tier, info.value.requested, info.value.free) == (Tier.HOST, 2, 1)
+    assert "host" in str(info.value)
+    assert pool.num_free == 1
+    pool.check_invariants()
+
+
+def test_decref_returns_true_only_when_block_goes_back_to_free_list() -> None:
+    pool = BlockPool(2)
+    (b,) = pool.allocate(1)
+    pool.incref(b)
+    assert pool.decref(b) is False
+    assert pool.num_free == 1
+    assert pool.decref(b) is True
+    assert pool.num_free == 2
+
+
+def test_free_decrefs_each_block() -> None:
+    pool = BlockPool(4)
+    blocks = pool.allocate(3)
+    pool.incref(blocks[0])
+    pool.free(blocks)
+    assert pool.refcount(blocks[0]) == 1 and pool.num_free == 3
+
+
+def test_refcounting_a_free_block_is_rejected() -> None:
+    pool = BlockPool(2)
+    with pytest.raises(ValueError, match="free"):
+        pool.incref(0)
+    with pytest.raises(ValueError, match="free"):
+        pool.decref(1)
+    with pytest.raises(ValueError, match="out of range"):
+        pool.refcount(2)
+
+
+def test_incref_many_matches_incref_and_rejects_free_blocks_without_side_effect() -> None:
+    pool = BlockPool(32)
+    blocks = pool.allocate(20)
+    pool.incref_many(blocks[:12])
+    assert [pool.refcount(b) for b in blocks] == [2] * 12 + [1] * 8
+    pool.decref(blocks[5])
+    pool.decref(blocks[5])
+    with pytest.raises(ValueError):
+        pool.incref_many(blocks[:12])
+    assert pool.refcount(blocks[0]) == 2
+
+
+def test_usage_is_used_over_total() -> None:
+    pool = BlockPool(10)
+    assert pool.usage == 0.0
+    pool.allocate(4)
+    assert pool.usage == pytest.approx(0.4)
+    assert BlockPool(0).usage == 0.0
+
+
+def test_can_allocate() -> None:
+    pool = BlockPool(3)
+    assert pool.can_allocate(3) and not pool.can_allocate(4) and not pool.can_allocate(-1)
+
+
+def test_negative_size_is_a_config_error() -> None:
+    with pytest.raises(ConfigError):
+        BlockPool(-1)
+
+
+def test_check_invariants_catches_corrupted_refcount() -> None:
+    pool = BlockPool(4)
+    (b,) = pool.allocate(1)
+    pool._refcounts[b] = 0
+    with pytest.raises(AssertionError, match="refcount 0"):
+        pool.check_invariants()
+    pool._refcounts[b] = 1
+    pool._refcounts[3] = 2
+    with pytest.raises(AssertionError, match="free block 3"):
+        pool.check_invariants()
+
+
+@given(st.lists(st.tuples(st.sampled_from(["alloc", "incref", "decref"]), st.integers(0, 7))))
+def test_pool_agrees_with_a_refcount_model(ops: list[tuple[str, int]]) -> None:
+    pool = BlockPool(8)
+    model: dict[int, int] = {}
+    for op, arg in ops:
+        held = sorted(model)
+        if op == "alloc":
+            n = arg % 4
+            if n > pool.num_free:
+                with pytest.raises(OutOfBlocks):
+                    pool.allocate(n)
+            else:
+                for b in pool.allocate(n):
+                    assert b not in model
+                    model[b] = 1
+        elif held:
+            b = held[arg % len(held)]
+            if op == "incref":
+                pool.incref(b)
+                model[b] += 1
+            else:
+                model[b] -= 1
+                assert pool.decref(b) is (model[b] == 0)
+                if model[b] == 0:
+                    del model[b]
+        pool.check_invariants()
+        assert pool.num_used == len(model)
+        assert all(pool.refcount(b) == c for b, c in model.items())
+
+
+def test_decref_many_returns_blocks_that_became_free() -> None:
+    pool = BlockPool(32)
+    blocks = pool.allocate(20)
+    pool.incref_many(blocks[:5])
+    assert pool.decref_many(blocks) == 15
+    assert pool.num_free == 27
+    assert all(pool.refcount(b) == 1 for b in blocks[:5])
+    with pytest.raises(ValueError, match="free"):
+        pool.decref_many(blocks)
+    assert all(pool.refcount(b) == 1 for b in blocks[:5])
+    pool.check_invariants()

@@ -1,0 +1,191 @@
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvpilot.errors import ConfigError
+from kvpilot.policy.breakeven import PauseAction, PauseInputs, decide_pause
+
+GB = 1e9
+
+# Napkin Math 0.6: 32,768 tokens of Llama-3-70B (10.7 GB) on 8xH100, 45 s test run.
+NAPKIN_0_6 = PauseInputs(
+    kv_bytes=32768 * 327_680,
+    num_tokens=32768,
+    expected_wait_s=45.0,
+    device_host_bw_bytes_s=8 * 64 * GB,
+    host_disk_bw_bytes_s=7 * GB,
+    num_params=70.6e9,
+    prefill_flops_per_s=0.45 * 8 * 989e12,
+    device_pressure=1.0,
+    host_pressure=0.0,
+    host_free_bytes=2000 * GB,
+)
+
+
+def with_(**changes: object) -> PauseInputs:
+    return dataclasses.replace(NAPKIN_0_6, **changes)  # type: ignore[arg-type]
+
+
+def test_napkin_0_6_offloads_to_host_with_the_spec_figures() -> None:
+    d = decide_pause(NAPKIN_0_6)
+    assert d.action is PauseAction.OFFLOAD_HOST
+    assert d.reload_s * 1e3 == pytest.approx(21, abs=0.5)
+    assert d.round_trip_s * 1e3 == pytest.approx(42, abs=0.5)
+    assert d.recompute_s == pytest.approx(1.3, abs=0.01)
+    assert d.reload_vs_recompute == pytest.approx(62, abs=0.5)
+    assert d.held_gb_s == pytest.approx(483, abs=1)
+    assert d.break_even_wait_s == pytest.approx(d.round_trip_s)
+    assert "offload to host" in d.reason and "62x" in d.reason and "483 GB·s" in d.reason
+
+
+def test_reload_still_wins_at_a_quarter_of_the_link_bandwidth() -> None:
+    d = decide_pause(with_(device_host_bw_bytes_s=8 * 16 * GB))
+    assert d.reload_vs_recompute == pytest.approx(15.5, abs=0.1)
+    assert d.action is PauseAction.OFFLOAD_HOST
+
+
+def test_wait_shorter_than_the_round_trip_retains() -> None:
+    d = decide_pause(with_(expected_wait_s=0.030))
+    assert d.action is PauseAction.RETAIN
+    assert "shorter than the host round trip" in d.reason
+
+
+def test_wait_below_break_even_retains_when_host_memory_is_nearly_as_dear() -> None:
+    d = decide_pause(with_(expected_wait_s=0.5, host_pressure=0.95, host_disk_bw_bytes_s=0.0))
+    assert d.break_even_wait_s == pytest.approx(d.round_trip_s * 20)
+    assert d.action is PauseAction.RETAIN
+    assert "break-even" in d.reason
+
+
+def test_stall_tolerance_is_added_to_the_break_even_wait() -> None:
+    d = decide_pause(with_(stall_tolerance_s=0.5))
+    assert d.break_even_wait_s == pytest.approx(d.round_trip_s + 0.5)
+
+
+def test_host_as_dear_as_device_never_breaks_even() -> None:
+    d = decide_pause(with_(host_pressure=1.0, host_disk_bw_bytes_s=0.0))
+    assert math.isinf(d.break_even_wait_s)
+    assert d.action is PauseAction.RETAIN
+
+
+def test_plentiful_device_memory_retains_however_long_the_wait() -> None:
+    d = decide_pause(with_(device_pressure=0.2, expected_wait_s=3600.0))
+    assert d.action is PauseAction.RETAIN
+    assert "plentiful" in d.reason
+
+
+def test_host_short_of_room_offloads_to_disk() -> None:
+    d = decide_pause(with_(host_free_bytes=5 * GB, host_disk_bw_bytes_s=14 * GB))
+    assert d.action is PauseAction.OFFLOAD_DISK
+    assert d.disk_reload_s == pytest.approx(10.737 / 14, rel=1e-3)
+    assert d.disk_round_trip_s == pytest.approx(2 * d.disk_reload_s)
+    assert "room for only 5.0 GB" in d.reason
+
+
+def test_pressed_host_and_a_long_wait_offload_to_disk() -> None:
+    d = decide_pause(with_(host_pressure=0.9, expected_wait_s=3600.0, host_disk_bw_bytes_s=14 * GB))
+    assert d.action is PauseAction.OFFLOAD_DISK
+    assert "negligible" in d.reason
+
+
+def test_pressed_host_keeps_state_when_the_disk_round_trip_is_not_negligible() -> None:
+    d = decide_pause(with_(host_pressure=0.9, expected_wait_s=45.0))
+    assert d.action is PauseAction.OFFLOAD_HOST
+
+
+def test_fast_model_on_a_slow_link_drops_and_recomputes() -> None:
+    d = decide_pause(
+        with_(
+            kv_bytes=32768 * 131_072,
+            num_params=1e9,
+            prefill_flops_per_s=0.45 * 989e12,
+            device_host_bw_bytes_s=2 * GB,
+        )
+    )
+    assert d.recompute_s < d.reload_s
+    assert d.action is PauseAction.DROP
+    assert d.break_even_wait_s == pytest.approx(d.recompute_s)
+
+
+def test_no_host_room_and_no_disk_drops() -> None:
+    d = decide_pause(with_(host_free_bytes=0.0, host_disk_bw_bytes_s=0.0))
+    assert d.action is PauseAction.DROP
+    assert "no host room and no disk tier" in d.reason
+
+
+def test_one_nvme_drive_is_slower_than_recomputing_70b_on_8_gpus() -> None:
+    d = decide_pause(with_(host_free_bytes=0.0))
+    assert d.recompute_s < d.disk_reload_s
+    assert d.action is PauseAction.DROP
+
+
+def test_prefill_rate_in_tokens_per_second_prices_recompute() -> None:
+    inputs = PauseInputs(
+        kv_bytes=1 * GB,
+        num_tokens=10_000,
+        expected_wait_s=10.0,
+        device_host_bw_bytes_s=64 * GB,
+        host_disk_bw_bytes_s=7 * GB,
+        prefill_tokens_per_s=20_000,
+    )
+    assert decide_pause(inputs).recompute_s == pytest.approx(0.5)
+
+
+def test_missing_prefill_rate_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="prefill_tokens_per_s"):
+        PauseInputs(1.0, 1, 1.0, 1.0, 1.0)
+
+
+@pytest.mark.parametrize("field", ["device_pressure", "host_pressure"])
+def test_pressure_outside_zero_one_is_a_config_error(field: str) -> None:
+    with pytest.raises(ConfigError, match=field):
+        with_(**{field: 1.5})
+
+
+def test_negative_wait_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="expected_wait_s"):
+        with_(expected_wait_s=-1.0)
+
+
+pause_inputs = st.builds(
+    PauseInputs,
+    kv_bytes=st.floats(1e6, 1e11),
+    num_tokens=st.integers(1, 1 << 18),
+    expected_wait_s=st.floats(0.0, 1e5),
+    device_host_bw_bytes_s=st.floats(1e9, 1e12),
+    host_disk_bw_bytes_s=st.one_of(st.just(0.0), st.floats(1e8, 5e10)),
+    prefill_tokens_per_s=st.floats(1e2, 1e6),
+    device_pressure=st.floats(0.0, 1.0),
+    host_pressure=st.floats(0.0, 1.0),
+    host_free_bytes=st.floats(0.0, 1e12),
+    stall_tolerance_s=st.floats(0.0, 10.0),
+)
+
+
+@given(pause_inputs)
+def test_state_only_moves_when_the_wait_beats_its_break_even(inputs: PauseInputs) -> None:
+    d = decide_pause(inputs)
+    assert d.held_gb_s == pytest.approx(inputs.kv_bytes * inputs.expected_wait_s / 1e9)
+    if d.action is not PauseAction.RETAIN:
+        assert d.action is d.via
+        assert inputs.expected_wait_s > d.break_even_wait_s
+        way_out = d.recompute_s if d.action is PauseAction.DROP else d.round_trip_s
+        if d.action is PauseAction.OFFLOAD_DISK:
+            way_out = d.disk_round_trip_s
+        assert inputs.expected_wait_s > way_out
+    if d.action is PauseAction.OFFLOAD_HOST:
+        assert inputs.host_free_bytes >= inputs.kv_bytes
+        assert d.reload_s <= d.recompute_s
+
+
+@given(pause_inputs)
+def test_a_longer_wait_never_turns_a_move_back_into_retention(inputs: PauseInputs) -> None:
+    if decide_pause(inputs).action is PauseAction.RETAIN:
+        return
+    longer = dataclasses.replace(inputs, expected_wait_s=inputs.expected_wait_s * 2)
+    assert decide_pause(longer).action is not PauseAction.RETAIN

@@ -1,0 +1,242 @@
+"""Random agent workloads against the memory core, checked against a model of KV contents.
+
+Every block carries simulated KV: position p of a sequence holds ``kv(tokens[:p+1])``. A
+write must only ever land in a block its trajectory holds privately (copy-on-write), and
+every block a trajectory or the radix reads must hold exactly the KV of its tokens.
+"""
+
+from __future__ import annotations
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from kvpilot.errors import OutOfBlocks
+from kvpilot.memory import KVConfig, KVManager, RadixNode, Tier, Trajectory
+
+B = 4
+MAX_TOKENS = 48
+PROMPTS = [[9, 9, 9, 9, 8, 8, 8, 8], [9, 9, 9, 9, 7, 7], []]
+small_tokens = st.lists(st.integers(0, 2), max_size=10)
+
+
+def kv(tokens: list[int], pos: int) -> int:
+    return hash(tuple(tokens[: pos + 1]))
+
+
+def path_tokens(node: RadixNode) -> list[int]:
+    parts = []
+    while node.parent is not None:
+        parts.append(list(node.tokens))
+        node = node.parent
+    return [t for part in reversed(parts) for t in part]
+
+
+class MemoryMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mgr = KVManager(KVConfig(block_size=B, num_device_blocks=14, num_host_blocks=8))
+        self.closed: list[Trajectory] = []
+        self.device_kv: dict[int, dict[int, int]] = {}
+        self.host_kv: dict[int, dict[int, int]] = {}
+
+    # ---- helpers -------------------------------------------------------------------------
+
+    def pick(self, i: int) -> Trajectory:
+        trajs = sorted(self.mgr.trajectories.values(), key=lambda t: t.traj_id)
+        return trajs[i % len(trajs)]
+
+    def nodes(self) -> list[RadixNode]:
+        return sorted(
+            (n for n in self.mgr.radix.iter_nodes() if not n.is_root),
+            key=lambda n: (n.depth_tokens, path_tokens(n)),
+        )
+
+    def allocate(self, traj: Trajectory, n: int) -> bool:
+        before = list(traj.block_table)
+        computed = traj.num_computed_tokens
+        try:
+            traj.allocate(n)
+        except OutOfBlocks:
+            assert traj.block_table == before and traj.num_computed_tokens == computed
+            return False
+        assert traj.block_table[: len(before)] == before
+        for block in traj.block_table[len(before) :]:
+            self.device_kv[block] = {}
+        return True
+
+    def compute(self, traj: Trajectory, n: int) -> None:
+        indexed = {b for node in self.nodes() for b in node.blocks.get(Tier.DEVICE, ())}
+        start = traj.num_computed_tokens
+        traj.mark_computed(n)
+        for pos in range(start, start + n):
+            block = traj.block_table[pos // B]
+            assert block not in indexed, "KV written into a block the radix shares"
+            assert self.mgr.device.refcount(block) == 1, "KV written into a shared block"
+            self.device_kv[block][pos % B] = kv(traj.tokens, pos)
+
+    # ---- rules ---------------------------------------------------------------------------
+
+    @rule(
+        salt=st.sampled_from([None, "a", "b"]), prompt=st.sampled_from(PROMPTS), extra=small_tokens
+    )
+    def open(self, salt: str | None, prompt: list[int], extra: list[int]) -> None:
+        self.mgr.open_trajectory(salt, [*prompt, *extra])
+
+    @precondition(lambda self: self.mgr.trajectories)
+    @rule(i=st.integers(0, 50), new=small_tokens, decode=st.integers(0, 6))
+    def turn(self, i: int, new: list[int], decode: int) -> None:
+        traj = self.pick(i)
+        if len(traj.tokens) + len(new) + decode > MAX_TOKENS:
+            return
+        traj.append_tokens(new)
+        cached = traj.reuse_prefix()
+        assert cached == traj.num_computed_tokens <= len(traj.tokens)
+        todo = len(traj.tokens) - traj.num_computed_tokens
+        if not self.allocate(traj, todo):
+            return
+        self.compute(traj, todo)
+        for token in range(decode):
+            traj.append_tokens([token % 3])
+            if not self.allocate(traj, 1):
+                return
+            self.compute(traj, 1)
+
+    @precondition(lambda self: self.mgr.trajectories)
+    @rule(i=st.integers(0, 50))
+    def commit(self, i: int) -> None:
+        traj = self.pick(i)
+        traj.commit()
+        assert traj.num_private_blocks <= (1 if traj.num_computed_tokens % B else 0) + (
+            len(traj.block_table) - -(-traj.num_computed_tokens // B)
+        )
+
+    @precondition(lambda self: self.mgr.trajectories)
+    @rule(i=st.integers(0, 50))
+    def fork(self, i: int) -> None:
+        parent = self.pick(i)
+        before = set(self.mgr.trajectories)
+        try:
+            result = parent.fork()
+        except OutOfBlocks:
+            assert set(self.mgr.trajectories) == before
+            return
+        if result.copy is not None:
+            src, dst = result.copy
+            self.device_kv[dst] = dict(self.device_kv[src])
+            assert result.child.num_computed_tokens % B != 0
+        else:
+            assert result.child.num_computed_tokens % B == 0
+
+    @precondition(lambda self: self.mgr.trajectories)
+    @rule(i=st.integers(0, 50), keep=st.booleans())
+    def release_kv(self, i: int, keep: bool) -> None:
+        traj = self.pick(i)
+        traj.release_kv(keep_in_cache=keep)
+        assert traj.block_table == [] and traj.num_computed_tokens == 0
+
+    @precondition(lambda self: self.mgr.trajectories)
+    @rule(i=st.integers(0, 50))
+    def close(self, i: int) -> None:
+        traj = self.pick(i)
+        traj.close()
+        self.closed.append(traj)
+
+    @rule(n=st.integers(1, 12), tier=st.sampled_from([Tier.DEVICE, Tier.HOST]))
+    def evict(self, n: int, tier: Tier) -> None:
+        evictable = self.mgr.radix.evictable_blocks(tier)
+        freed = self.mgr.radix.evict(n, tier)
+        assert freed >= min(n, evictable)
+
+    @rule(j=st.integers(0, 50))
+    def add_copy_to_host(self, j: int) -> None:
+        nodes = [n for n in self.nodes() if Tier.DEVICE in n.blocks and Tier.HOST not in n.blocks]
+        host = self.mgr.pools[Tier.HOST]
+        if not nodes or not host.can_allocate(nodes[j % len(nodes)].num_blocks):
+            return
+        node = nodes[j % len(nodes)]
+        blocks = host.allocate(node.num_blocks)
+        for src, dst in zip(node.blocks[Tier.DEVICE], blocks, strict=True):
+            self.host_kv[dst] = dict(self.device_kv[src])
+        self.mgr.radix.add_copy(node, Tier.HOST, blocks)
+
+    @rule(j=st.integers(0, 50), tier=st.sampled_from([Tier.DEVICE, Tier.HOST]))
+    def drop_copy(self, j: int, tier: Tier) -> None:
+        nodes = [n for n in self.nodes() if tier in n.blocks]
+        if not nodes:
+            return
+        node = nodes[j % len(nodes)]
+        if tier is Tier.DEVICE and node.lock_count:
+            try:
+                self.mgr.radix.drop_copy(node, tier)
+            except ValueError:
+                return
+            raise AssertionError("dropped the device copy of a locked node")
+        self.mgr.radix.drop_copy(node, tier)
+
+    @precondition(lambda self: self.mgr.trajectories)
+    @rule(i=st.integers(0, 50))
+    def match_in_any_tier(self, i: int) -> None:
+        traj = self.pick(i)
+        radix = self.mgr.radix
+        on_device = radix.match(traj.tokens, traj.salt, record=False)
+        anywhere = radix.match(traj.tokens, traj.salt, record=False, tier=None)
+        assert anywhere.num_tokens >= on_device.num_tokens
+        residency = anywhere.residency()
+        assert len(residency) == anywhere.num_tokens // B and all(residency)
+        assert all(Tier.DEVICE in r for r in residency[: on_device.num_tokens // B])
+
+    # ---- checks --------------------------------------------------------------------------
+
+    @invariant()
+    def structures_are_consistent(self) -> None:
+        self.mgr.check_invariants()
+        for traj in self.closed:
+            assert traj.closed and not traj.block_table and traj.num_computed_tokens == 0
+
+    @invariant()
+    def trajectories_read_the_kv_of_their_tokens(self) -> None:
+        for traj in self.mgr.trajectories.values():
+            for pos in range(traj.num_computed_tokens):
+                block = traj.block_table[pos // B]
+                assert self.device_kv[block].get(pos % B) == kv(traj.tokens, pos)
+
+    @invariant()
+    def radix_blocks_hold_the_kv_of_their_path(self) -> None:
+        for node in self.nodes():
+            tokens = path_tokens(node)
+            first = node.depth_tokens - len(node.tokens)
+            for tier, store in ((Tier.DEVICE, self.device_kv), (Tier.HOST, self.host_kv)):
+                for i, block in enumerate(node.blocks.get(tier, ())):
+                    for off in range(B):
+                        pos = first + i * B + off
+                        assert store[block].get(off) == kv(tokens, pos)
+
+    @invariant()
+    def shared_prefix_is_what_the_radix_returns(self) -> None:
+        radix = self.mgr.radix
+        for traj in self.mgr.trajectories.values():
+            locked = traj.locked_tokens
+            match = radix.match(traj.tokens[:locked], traj.salt, record=False)
+            assert match.num_tokens == locked
+            assert match.blocks() == traj.block_table[: locked // B]
+
+    def teardown(self) -> None:
+        for traj in list(self.mgr.trajectories.values()):
+            traj.close()
+        self.mgr.check_invariants()
+        for tier in (Tier.DEVICE, Tier.HOST):
+            self.mgr.radix.evict(10**6, tier)
+        assert self.mgr.radix.num_nodes == 0
+        for pool in self.mgr.pools.values():
+            assert pool.num_free == pool.num_blocks
+        self.mgr.check_invariants()
+
+
+MemoryMachine.TestCase.settings = settings(
+    max_examples=100,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+test_memory_core_under_random_agent_workloads = MemoryMachine.TestCase
