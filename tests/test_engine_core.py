@@ -192,6 +192,28 @@ def test_stop_token_ids_and_max_tokens() -> None:
     assert out.outputs[0].finish_reason == "length" and len(out.token_ids) == 4
 
 
+class LetterTokenizer:
+    """Token t decodes to one letter: enough to test stop strings without a model."""
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [ord(c) - ord("a") for c in text]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(chr(ord("a") + t % 26) for t in ids)
+
+
+def test_stop_strings_cut_the_text_at_the_first_match() -> None:
+    engine = make_engine()
+    engine.tokenizer = LetterTokenizer()
+    p = prompt(12, 30)
+    full = engine.generate([p], SamplingParams(max_tokens=20))[0]
+    stop = full.text[5:7]
+    out = engine.generate([p], SamplingParams(max_tokens=20, stop=(stop,)))[0]
+    assert out.text == full.text[: full.text.find(stop)]
+    assert out.outputs[0].finish_reason == "stop"
+    assert len(out.token_ids) == full.text.find(stop) + 2
+
+
 @pytest.mark.parametrize(
     ("bad", "error"),
     [

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -167,6 +169,11 @@ def test_kv_bytes_per_block_is_2_L_Hkv_B_d_b(hf_checkpoint: Callable[[str], Path
     config = ModelConfig.from_folder(hf_checkpoint("qwen3"))
     assert kv_bytes_per_block(config, 16, torch.bfloat16) == 2 * 2 * 2 * 16 * 32 * 2
     assert kv_bytes_per_block(config, 16, torch.float32) == 2 * 2 * 2 * 16 * 32 * 4
+
+
+def test_model_config_imports_without_torch() -> None:
+    code = "import sys, kvpilot.model.config; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_missing_model_folder_raises_model_load_error(tmp_path: Path) -> None:

@@ -126,10 +126,13 @@ def test_greedy_generation_matches_transformers_generate(arch_path: Path, batch_
         assert tokens == expected
 
 
-def test_bfloat16_greedy_tokens_match_float32(hf_checkpoint: Callable[[str], Path]) -> None:
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_greedy_tokens_match_float32(
+    hf_checkpoint: Callable[[str], Path], dtype: str
+) -> None:
     path = hf_checkpoint("llama")
     fp32 = _runner(path)
-    bf16 = _runner(path, dtype="bfloat16")
+    bf16 = _runner(path, dtype=dtype)
     prompts = PROMPTS[:3]
     assert _greedy_generate(bf16, prompts, 6) == _greedy_generate(fp32, prompts, 6)
     logits32 = fp32.compute_logits([_work(3, PROMPTS[0], 0)])[3]
@@ -289,3 +292,18 @@ def test_eos_ids_come_from_config_and_tokenizer(hf_checkpoint: Callable[[str], P
     runner = _runner(hf_checkpoint("qwen3"))
     assert runner.eos_token_ids == (256, 261)
     assert runner.tokenizer.eos_token_id == 256
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_runner_matches_cpu(hf_checkpoint: Callable[[str], Path]) -> None:
+    path = hf_checkpoint("mistral")
+    cpu, cuda = _runner(path), _runner(path, device="cuda")
+    prompts = PROMPTS[:3]
+    assert _greedy_generate(cuda, prompts, 8) == _greedy_generate(cpu, prompts, 8)
+    ours = cuda.compute_logits([_work(3, PROMPTS[1], 0)])[3].cpu()
+    torch.testing.assert_close(
+        ours, cpu.compute_logits([_work(3, PROMPTS[1], 0)])[3], atol=1e-3, rtol=0
+    )
+    params = SamplingParams(temperature=1.0, top_p=0.9)
+    work = _work(0, PROMPTS[0], 0, sampling=params, seed=3)
+    assert cuda.execute([work]).tokens == cpu.execute([work]).tokens

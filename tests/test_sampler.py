@@ -102,7 +102,8 @@ def test_sampled_token_lies_in_the_top_k_and_nucleus(
     values = torch.tensor(logits)
     params = SamplingParams(temperature=1.0, top_k=top_k, top_p=top_p)
     token = _draw(values, params, seed, step)
-    order = sorted(range(len(logits)), key=lambda i: (-logits[i], i))
+    as_fp32 = values.tolist()
+    order = sorted(range(len(logits)), key=lambda i: (-as_fp32[i], i))
     rank = order.index(token)
     if top_k:
         assert rank < top_k

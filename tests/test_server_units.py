@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 from kvpilot.engine import CompletionOutput, Engine, EngineConfig, RequestOutput, SamplingParams
 from kvpilot.errors import ConfigError, PromptTooLong
 from kvpilot.server.async_engine import AsyncEngine, EngineStopped
-from kvpilot.server.completions_api import _Deltas
 from kvpilot.server.limits import ServerLimits, resolve_max_tokens
 from kvpilot.server.protocol import ApiError, CompletionRequest
+from kvpilot.server.streaming import Deltas
 from kvpilot.server.tenancy import ApiKeys, cache_salt
 from kvpilot.server.turns import (
     chat_resends_history,
@@ -172,7 +172,7 @@ def _snapshot(text: str, reason: str | None = None) -> RequestOutput:
 
 
 def test_deltas_hold_back_a_half_decoded_character_until_it_settles() -> None:
-    deltas = _Deltas(holdback_chars=0)
+    deltas = Deltas(holdback_chars=0)
     assert deltas.update(_snapshot("ab\ufffd")) == [(0, "ab", None)]
     assert deltas.update(_snapshot("abé")) == [(0, "é", None)]
     assert deltas.update(_snapshot("abéc", "length")) == [(0, "c", "length")]
@@ -180,7 +180,7 @@ def test_deltas_hold_back_a_half_decoded_character_until_it_settles() -> None:
 
 
 def test_deltas_never_send_what_a_stop_string_may_still_cut() -> None:
-    deltas = _Deltas(holdback_chars=len("END") - 1)
+    deltas = Deltas(holdback_chars=len("END") - 1)
     assert deltas.update(_snapshot("helloEN")) == [(0, "hello", None)]
     assert deltas.update(_snapshot("hello", "stop")) == [(0, "", "stop")]
 

@@ -152,7 +152,7 @@ def demo(
     from kvpilot.demo import run_engine_demo
 
     console = Console()
-    console.rule("[bold]kvpilot plan: Llama-3-70B on 8xH100 (8k/32k/128k, shared prefix, 45 s pause)")
+    console.rule("[bold]kvpilot plan: Llama-3-70B on 8xH100, 8k/32k/128k, a 45 s pause")
     plan(pause=45.0)
     console.rule("[bold]kvpilot frag: static vs buddy vs paged allocation")
     frag()
@@ -160,6 +160,15 @@ def demo(
         run_engine_demo(console, model)
     except KvpilotError as exc:
         raise _fail(exc) from exc
+
+
+def _register_optional_commands() -> None:
+    from kvpilot.server.cli_serve import serve
+
+    app.command("serve")(serve)
+
+
+_register_optional_commands()
 
 
 def main() -> None:

@@ -18,7 +18,6 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
-from rich.table import Table
 
 from kvpilot.errors import ConfigError, KvpilotError
 
@@ -170,6 +169,8 @@ def sim(
                     timestamp_unit=timestamp_unit,
                 ),
             )
+            # A real tokenizer may use ids past the synthetic vocabulary.
+            vocab = max(vocab, 1 + max(max(c.prompt) for s in load for c in s.calls))
         else:
             load = WorkloadConfig.from_yaml(workload) if workload else WorkloadConfig.default()
             if seed is not None:
@@ -366,7 +367,13 @@ def trace_analyze(
     turns: Annotated[bool, typer.Option(help="Also print every call.")] = False,
 ) -> None:
     """Diagnose a trace's prefix reuse: hits vs ideal, where prompts diverge, tool waits."""
-    from kvpilot.trace.analyze import DEFAULT_ZONES, diagnose, load_trace_inputs, load_zone_markers
+    from kvpilot.trace.analyze import (
+        DEFAULT_ZONES,
+        diagnose,
+        load_zone_markers,
+        render_diagnosis,
+    )
+    from kvpilot.trace.schema import load_trace_inputs
 
     console = Console()
     try:
@@ -391,70 +398,3 @@ def trace_analyze(
     render_diagnosis(console, diagnosis, turns)
     if plot is not None:
         console.print(f"wrote {plot}")
-
-
-def render_diagnosis(console: Console, d: Any, turns: bool = False) -> None:
-    from kvpilot.trace.analyze import short_id
-
-    table = Table(
-        title=f"prefix reuse per session (block {d.block_size})", title_justify="left"
-    )
-    for col in ("session", "calls", "prompt tok", "reuse prev", "ideal", "breaks", "lost tok",
-                "gap p50"):
-        table.add_column(col, justify="left" if col == "session" else "right")
-    for s in d.sessions:
-        gaps = s.gaps_s
-        gap = f"{sorted(gaps)[len(gaps) // 2]:.1f} s" if gaps else "-"
-        table.add_row(
-            short_id(s.session_id),
-            str(len(s.calls)),
-            f"{s.prompt_tokens:,}",
-            f"{s.reuse_rate:.1%}",
-            f"{s.ideal_rate:.1%}",
-            str(len(s.breaks)),
-            f"{s.lost_tokens:,}",
-            gap,
-        )
-    table.add_row(
-        "all", str(sum(len(s.calls) for s in d.sessions)), f"{d.prompt_tokens:,}",
-        f"{d.reuse_rate:.1%}", f"{d.ideal_rate:.1%}",
-        str(sum(len(s.breaks) for s in d.sessions)),
-        f"{sum(s.lost_tokens for s in d.sessions):,}", "", style="bold",
-    )
-    console.print(table)
-    g = d.gaps
-    console.print(
-        f"tool wait (gap between calls): n={g.count}, p50 {g.p50_s:.2f} s, p90 {g.p90_s:.2f} s, "
-        f"p99 {g.p99_s:.2f} s, max {g.max_s:.2f} s"
-    )
-    zones = ", ".join(f"{k}: {v}" for k, v in sorted(d.zones.items(), key=lambda kv: -kv[1]))
-    console.print(f"where consecutive calls first differ: {zones or '-'}")
-    breaking = d.breaking_sessions
-    if breaking:
-        bt = Table(title="calls that break the prefix (layout problems)", title_justify="left")
-        for col in ("session", "call", "diverges at", "of prev", "zone", "lost tok"):
-            bt.add_column(col)
-        for s in breaking:
-            for c in s.breaks:
-                prev = s.calls[c.index - 1].prompt_tokens
-                bt.add_row(
-                    short_id(s.session_id), str(c.index), f"{c.divergence:,}",
-                    f"{c.divergence / prev:.0%}" if prev else "-", c.divergence_zone or "-",
-                    f"{c.lost_tokens:,}",
-                )
-        console.print(bt)
-    else:
-        console.print("no session breaks its prefix: every call extends the previous one")
-    if turns:
-        tt = Table(title="calls", title_justify="left")
-        for col in ("session", "call", "tokens", "reuse", "ideal", "diverges at", "zone", "gap"):
-            tt.add_column(col)
-        for s in d.sessions:
-            for c in s.calls:
-                tt.add_row(
-                    short_id(s.session_id), str(c.index), f"{c.prompt_tokens:,}",
-                    f"{c.reuse_tokens:,}", f"{c.ideal_tokens:,}",
-                    "-" if c.divergence is None else f"{c.divergence:,}",
-                    c.divergence_zone or "-", "-" if c.gap_s is None else f"{c.gap_s:.2f} s",
-                )
-        console.print(tt)

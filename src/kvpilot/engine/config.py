@@ -32,6 +32,15 @@ class EngineConfig:
     device: str = "cpu"
     attention: str = "torch"
     seed: int = 0
+    # Tiers and pauses: a host pool (blocks, or bytes), a disk tier in a folder, the policy.
+    host_kv_blocks: int | None = None
+    host_memory_bytes: int | None = None
+    disk_dir: str | None = None
+    disk_kv_blocks: int = 4096
+    pause_policy: str = "breakeven"
+    pause_ttl_s: float = 10.0
+    default_tool_wait_s: float = 1.0
+    prefetch: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -44,6 +53,23 @@ class EngineConfig:
             raise ConfigError("max_num_seqs must be positive")
         if self.kv_blocks is not None and self.kv_blocks < 1:
             raise ConfigError("kv_blocks must be positive")
+        if (self.host_kv_blocks or 0) < 0 or (self.host_memory_bytes or 0) < 0:
+            raise ConfigError("host_kv_blocks and host_memory_bytes must not be negative")
+        if self.disk_kv_blocks < 1:
+            raise ConfigError("disk_kv_blocks must be positive")
+        from kvpilot.policy.pause import POLICY_NAMES
+
+        if self.pause_policy not in POLICY_NAMES:
+            raise ConfigError(
+                f"unknown pause policy {self.pause_policy!r}; choose one of "
+                f"{', '.join(POLICY_NAMES)}"
+            )
+        if self.pause_ttl_s < 0 or self.default_tool_wait_s < 0:
+            raise ConfigError("pause_ttl_s and default_tool_wait_s must not be negative")
+
+    @property
+    def has_tiers(self) -> bool:
+        return bool(self.host_kv_blocks or self.host_memory_bytes or self.disk_dir)
 
     @classmethod
     def from_kwargs(cls, **kwargs: object) -> EngineConfig:

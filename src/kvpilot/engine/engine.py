@@ -16,7 +16,8 @@ from typing import Any
 
 from kvpilot.engine.clock import Clock, WallClock
 from kvpilot.engine.config import EngineConfig
-from kvpilot.engine.executor import Executor
+from kvpilot.engine.executor import Executor, TierTransport
+from kvpilot.engine.offload import OffloadManager
 from kvpilot.engine.request import (
     CompletionOutput,
     Request,
@@ -29,6 +30,8 @@ from kvpilot.engine.scheduler import Scheduler, SchedulerOutput
 from kvpilot.engine.session import Session
 from kvpilot.errors import InvalidRequest, OutOfBlocks, PromptTooLong
 from kvpilot.memory import KVConfig, KVManager, Trajectory
+from kvpilot.policy.breakeven import PauseDecision
+from kvpilot.policy.pause import make_pause_policy
 
 
 @dataclass(slots=True)
@@ -53,6 +56,12 @@ class EngineStats:
     def hit_rate(self) -> float:
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
+    def drain_samples(self) -> tuple[list[float], list[float], list[float]]:
+        """Hand over (ttft, itl, e2e) samples gathered so far and start new lists."""
+        out = (self.ttft_s, self.itl_s, self.e2e_s)
+        self.ttft_s, self.itl_s, self.e2e_s = [], [], []
+        return out
+
 
 class Engine:
     """Continuous-batching engine over the paged KV memory core."""
@@ -67,6 +76,7 @@ class Engine:
         max_model_len: int | None = None,
         vocab_size: int | None = None,
         clock: Clock | None = None,
+        transport: TierTransport | None = None,
     ) -> None:
         self.config = config or EngineConfig()
         self.executor = executor
@@ -76,11 +86,19 @@ class Engine:
         limits = [x for x in (self.config.max_model_len, max_model_len) if x]
         self.max_model_len = min(limits) if limits else 1 << 30
         self.vocab_size = vocab_size
+        host_blocks = transport.num_host_blocks if transport is not None else 0
         self.kv = KVManager(
-            KVConfig(block_size=executor.block_size, num_device_blocks=executor.num_blocks),
+            KVConfig(
+                block_size=executor.block_size,
+                num_device_blocks=executor.num_blocks,
+                num_host_blocks=host_blocks,
+            ),
             clock=self.clock.now,
         )
         self.scheduler = Scheduler(self.config, self.kv, reclaim_idle=self._reclaim_idle)
+        self.scheduler.admission_gate = self._admission_gate
+        self.scheduler.on_admit = self._on_admit
+        self.offload = self._make_offload(transport)
         self.stats = EngineStats()
         self.requests: dict[str, Request] = {}
         self.sessions: dict[str, Session] = {}
@@ -91,6 +109,32 @@ class Engine:
         self._finished_outputs: dict[str, RequestOutput] = {}
 
     # -- construction -----------------------------------------------------------------
+
+    def _make_offload(self, transport: TierTransport | None) -> OffloadManager:
+        cfg = self.config
+        disk = sessions = None
+        if cfg.disk_dir is not None and transport is not None:
+            from kvpilot.store import DiskBlockStore, SessionStore
+
+            disk = DiskBlockStore(Path(cfg.disk_dir), cfg.disk_kv_blocks, transport.block_bytes)
+            sessions = SessionStore(Path(cfg.disk_dir))
+        return OffloadManager(
+            self.kv,
+            make_pause_policy(cfg.pause_policy, ttl_s=cfg.pause_ttl_s),
+            self.clock.now,
+            transport=transport,
+            disk=disk,
+            session_store=sessions,
+            default_wait_s=cfg.default_tool_wait_s,
+            prefetch=cfg.prefetch,
+            pressure=self._memory_pressure,
+        )
+
+    def _memory_pressure(self) -> float:
+        """Shadow price of device memory: 1 while work waits, else usage against tau_high."""
+        if any(s.prefix_reused for s in self.scheduler.waiting):
+            return 1.0
+        return min(1.0, self.scheduler.held_usage() / self.config.tau_high)
 
     @classmethod
     def from_pretrained(
@@ -114,6 +158,14 @@ class Engine:
             attention=config.attention,
             cache_dir=cache_dir,
         )
+        transport = None
+        if config.has_tiers:
+            from kvpilot.model.transfer import TorchTierTransport
+
+            host_blocks = config.host_kv_blocks or (
+                (config.host_memory_bytes or 0) // runner.kv_bytes_per_block
+            )
+            transport = TorchTierTransport(runner.kv_cache, host_blocks)
         return cls(
             runner,
             config,
@@ -122,6 +174,7 @@ class Engine:
             max_model_len=runner.max_model_len,
             vocab_size=runner.config.vocab_size,
             clock=clock,
+            transport=transport,
         )
 
     # -- requests ---------------------------------------------------------------------
@@ -147,6 +200,8 @@ class Engine:
         request_id: str | None = None,
         session: Session | None = None,
         salt: str | None = None,
+        expected_tool_wait_s: float | None = None,
+        tool: str | None = None,
     ) -> str:
         """Queue a request (or a session's next turn); returns its id."""
         params = params or SamplingParams()
@@ -191,7 +246,16 @@ class Engine:
             salt=salt,
             history_tokens=history,
         )
+        if expected_tool_wait_s is not None or tool is not None:
+            if session is None:
+                raise InvalidRequest("expected_tool_wait_s and tool need a session")
+            if expected_tool_wait_s is not None and not expected_tool_wait_s >= 0:
+                raise InvalidRequest("expected_tool_wait_s must be a non-negative number")
+            request.pause_hint = (expected_tool_wait_s, tool)
         if session is not None:
+            if self.offload.record_for(session.session_id) is not None:
+                request.resumed = True
+                self.offload.on_resume(session)
             traj = session.traj
             traj.append_tokens(tokens)
             session.active_request = rid
@@ -230,12 +294,15 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduled batch; returns a snapshot of every request that progressed."""
+        self.offload.poll(self._idle_sessions())
         sched = self.scheduler.schedule()
         for seq in sched.starved:
             # Alone in the pool and still no block to grow into: end it rather than spin.
             self._finish_seq(seq, "length")
             self._finish_request_if_done(seq.request)
         if not sched.scheduled:
+            if self.offload.busy():
+                self.clock.sleep(0.0005)  # only waiting on copies: let them run
             return [self._snapshot(s.request) for s in sched.starved]
         start = self.clock.now()
         result = self.executor.execute(sched.works)
@@ -244,6 +311,9 @@ class Engine:
         self.stats.step_time_s += now - start
         self.stats.prefill_tokens += sched.num_prefill_tokens
         self.stats.decode_tokens += sched.num_decode_tokens
+        if sched.num_prefill_tokens:
+            context = max(w.start_pos + len(w.token_ids) for w in sched.works)
+            self.offload.observe_step(sched.num_prefill_tokens, now - start, context)
         return self._process(sched, result.tokens, now)
 
     def _process(
@@ -255,6 +325,9 @@ class Engine:
             seq = item.seq
             traj = seq.traj
             traj.mark_computed(item.num_tokens)
+            high = self.offload.high_water
+            if high.get(traj.traj_id, 0) < traj.num_computed_tokens:
+                high[traj.traj_id] = traj.num_computed_tokens
             if (
                 self.config.enable_prefix_caching
                 and traj.num_computed_tokens // block > traj.locked_tokens // block
@@ -315,6 +388,8 @@ class Engine:
             seq.first_token_time = now
             if seq.index == 0:
                 self.stats.ttft_s.append(now - seq.request.arrival_time)
+                if seq.request.resumed:
+                    self.offload.stats.resume_ttft_s.append(now - seq.request.arrival_time)
         else:
             self.stats.itl_s.append(now - (seq.last_token_time or now))
         seq.last_token_time = now
@@ -352,11 +427,11 @@ class Engine:
         session = self.sessions.get(request.session_id) if request.session_id else None
         if session is not None and seq.traj is session.traj:
             seq.traj.finish_turn()
-        elif self.config.enable_prefix_caching:
-            seq.traj.close()
         else:
-            seq.traj.release_kv(keep_in_cache=False)
+            if not self.config.enable_prefix_caching:
+                seq.traj.release_kv(keep_in_cache=False)
             seq.traj.close()
+            self.offload.high_water.pop(seq.traj.traj_id, None)
 
     def _finish_request_if_done(self, request: Request) -> None:
         if not request.finished or request.request_id in self._finished_outputs:
@@ -373,6 +448,8 @@ class Engine:
                 session.active_request = None
                 session.last_used = self.clock.now()
                 session.last_output = output
+                if request.pause_hint is not None and not request.aborted:
+                    self.pause_session(session, *request.pause_hint)
         del self.requests[request.request_id]
 
     # -- outputs ----------------------------------------------------------------------
@@ -404,6 +481,7 @@ class Engine:
             prompt_token_ids=tuple(request.prompt_token_ids),
             prompt_tokens=request.history_tokens + len(request.prompt_token_ids),
             cached_tokens=request.cached_tokens,
+            cached_tokens_by_tier=dict(request.cached_by_tier),
             outputs=outputs,
             finished=request.finished,
             arrival_time=request.arrival_time,
@@ -457,9 +535,24 @@ class Engine:
         sid = session_id or f"sess-{next(self._session_ids)}"
         if sid in self.sessions:
             raise InvalidRequest(f"session id {sid!r} is already in use")
-        session = Session(self, sid, self.kv.open_trajectory(salt=salt), salt)
+        stored = self.offload.session_store.load(sid) if self.offload.session_store else None
+        if stored is not None:
+            # A session paused before a restart: its tokens come back from SQLite, its KV
+            # from the disk tier (whatever is still there and verifies) on the next turn.
+            traj = self.kv.open_trajectory(salt=stored.salt, tokens=stored.tokens)
+            self.offload.disk_hint.add(traj.traj_id)
+            salt = stored.salt
+        else:
+            traj = self.kv.open_trajectory(salt=salt)
+        session = Session(self, sid, traj, salt)
         self.sessions[sid] = session
         return session
+
+    def pause_session(
+        self, session: Session, expected_wait_s: float | None = None, tool: str | None = None
+    ) -> PauseDecision:
+        """The agent went off to a tool: decide what to do with this session's KV."""
+        return self.offload.pause(session, expected_wait_s, tool)
 
     def get_session(self, session_id: str) -> Session:
         session = self.sessions.get(session_id)
@@ -500,22 +593,44 @@ class Engine:
             return
         if session.active_request is not None:
             self.abort(session.active_request)
+        self.offload.forget(session)
         session.traj.close()
         session.closed = True
         self.sessions.pop(session.session_id, None)
 
+    def _idle_sessions(self) -> list[Session]:
+        return [s for s in self.sessions.values() if s.idle and s.traj.block_table]
+
     def _reclaim_idle(self, blocks_wanted: int) -> int:
-        """Release the least recently used idle session's KV (it stays in the prefix cache)."""
-        idle = [
-            s
-            for s in self.sessions.values()
-            if s.idle and (s.traj.num_computed_tokens or s.traj.block_table)
-        ]
-        if not idle:
-            return 0
-        victim = min(idle, key=lambda s: s.last_used)
-        victim.traj.release_kv(keep_in_cache=self.config.enable_prefix_caching)
-        return 1
+        """Memory pressure: idle sessions' KV gives way (demoted by the offload manager)."""
+        return self.offload.reclaim(self._idle_sessions(), blocks_wanted)
+
+    def _admission_gate(self, seq: Sequence) -> bool:
+        return self.offload.ensure_resident(seq.traj)
+
+    def _on_admit(self, seq: Sequence) -> None:
+        traj = seq.traj
+        high = self.offload.high_water.get(traj.traj_id, 0)
+        lost = min(high, len(traj.tokens) - 1) - traj.num_computed_tokens
+        if lost > 0:
+            self.offload.stats.recomputed_tokens += lost
+        if seq.index == 0 and not seq.output_token_ids and seq.num_preemptions == 0:
+            loaded = self.offload.take_loaded(traj)
+            request = seq.request
+            host = min(loaded["host"], request.cached_tokens)
+            disk = min(loaded["disk"], request.cached_tokens - host)
+            request.cached_by_tier = {
+                "device": request.cached_tokens - host - disk,
+                "host": host,
+                "disk": disk,
+            }
+
+    def close(self) -> None:
+        """Stop background copiers and close the disk tier (idempotent)."""
+        self.offload.close()
+        close = getattr(self.executor, "close", None)
+        if close is not None:
+            close()
 
     # -- checks -----------------------------------------------------------------------
 

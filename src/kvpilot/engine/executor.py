@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from kvpilot.engine.sampling import SamplingParams
 
@@ -60,4 +60,43 @@ class Executor(Protocol):
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Copy whole device blocks src -> dst (copy-on-write of a fork's partial tail)."""
+        ...
+
+
+class Transfer(Protocol):
+    """A copy in flight (a `concurrent.futures.Future` satisfies it).
+
+    Its result is the seconds the copy took (for the bandwidth meters), or for reads of
+    block bytes, the list of blocks' bytes.
+    """
+
+    def done(self) -> bool: ...
+
+    def result(self, timeout: float | None = None) -> Any: ...
+
+
+class TierTransport(Protocol):
+    """Moves whole KV blocks between the device pool, a host pool and bytes (for disk).
+
+    Copies run off the step loop (a background copier on CPU, a separate stream on CUDA);
+    the engine keeps the blocks involved pinned until the returned `Transfer` is done.
+    """
+
+    num_host_blocks: int
+    block_bytes: int
+
+    def swap_out(self, pairs: Sequence[tuple[int, int]]) -> Transfer:
+        """Copy device blocks to host blocks: (device, host) pairs."""
+        ...
+
+    def swap_in(self, pairs: Sequence[tuple[int, int]]) -> Transfer:
+        """Copy host blocks to device blocks: (host, device) pairs."""
+        ...
+
+    def read_device(self, blocks: Sequence[int]) -> Transfer:
+        """The bytes of device blocks (result: list of bytes), e.g. to write them to disk."""
+        ...
+
+    def write_device(self, blocks: Sequence[int], data: Sequence[bytes]) -> Transfer:
+        """Fill device blocks from bytes (read back from disk)."""
         ...

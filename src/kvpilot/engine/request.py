@@ -72,6 +72,11 @@ class Request:
     seqs: list[Sequence] = field(default_factory=list)
     forked: bool = False  # n > 1 branches created
     aborted: bool = False
+    resumed: bool = False  # a paused session's next turn
+    pause_hint: tuple[float | None, str | None] | None = None  # pause when the turn ends
+    cached_by_tier: dict[str, int] = field(
+        default_factory=lambda: {"device": 0, "host": 0, "disk": 0}
+    )
 
     @property
     def finished(self) -> bool:
@@ -100,6 +105,7 @@ class RequestOutput:
         int  # tokens prefilled or reused for this call (history + prompt for a session turn)
     )
     cached_tokens: int
+    cached_tokens_by_tier: dict[str, int]
     outputs: tuple[CompletionOutput, ...]
     finished: bool
     arrival_time: float

@@ -64,6 +64,10 @@ class Scheduler:
         # Called with a number of blocks wanted; releases idle (between-turn) session KV and
         # returns how many trajectories it released. The engine supplies it.
         self.reclaim_idle = reclaim_idle
+        # False while a waiting sequence's cached prefix is still coming back from host or
+        # disk: it waits for its blocks, others are admitted past it.
+        self.admission_gate: Callable[[Sequence], bool] | None = None
+        self.on_admit: Callable[[Sequence], None] | None = None
 
     # -- queue management -------------------------------------------------------------
 
@@ -109,14 +113,18 @@ class Scheduler:
             budget -= n
             i += 1
 
+        i = 0
         while (
-            self.waiting
+            i < len(self.waiting)
             and budget > 0
             and not preempted
             and len(self.running) < cfg.max_num_seqs
             and self.held_usage() < cfg.tau_high
         ):
-            seq = self.waiting[0]
+            seq = self.waiting[i]
+            if self.admission_gate is not None and not self.admission_gate(seq):
+                i += 1
+                continue
             if cfg.enable_prefix_caching:
                 seq.traj.reuse_prefix(record=not seq.prefix_reused)
             seq.prefix_reused = True
@@ -127,7 +135,9 @@ class Scheduler:
                 break
             if seq.index == 0 and seq.num_preemptions == 0 and not seq.output_token_ids:
                 seq.request.cached_tokens = seq.traj.num_computed_tokens
-            self.waiting.popleft()
+            if self.on_admit is not None:
+                self.on_admit(seq)
+            del self.waiting[i]
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             scheduled.append(ScheduledSeq(seq, n, n == seq.remaining_tokens))

@@ -11,7 +11,9 @@ from kvpilot.errors import InvalidRequest
 
 if TYPE_CHECKING:
     from kvpilot.engine.engine import Engine
+    from kvpilot.engine.tier_stats import PauseRecord
     from kvpilot.memory import Trajectory
+    from kvpilot.policy.breakeven import PauseDecision
 
 
 class Session:
@@ -45,9 +47,30 @@ class Session:
     def idle(self) -> bool:
         return self.active_request is None and not self.closed
 
-    def submit(self, prompt: str | Seq[int], params: SamplingParams | None = None) -> str:
-        """Start a turn; returns its request id (the engine's step loop runs it)."""
-        return self.engine.add_request(prompt, params, session=self)
+    def submit(
+        self,
+        prompt: str | Seq[int],
+        params: SamplingParams | None = None,
+        *,
+        expected_tool_wait_s: float | None = None,
+        tool: str | None = None,
+    ) -> str:
+        """Start a turn; returns its request id (the engine's step loop runs it).
+
+        With ``expected_tool_wait_s`` or ``tool``, the session pauses when the turn ends.
+        """
+        return self.engine.add_request(
+            prompt, params, session=self, expected_tool_wait_s=expected_tool_wait_s, tool=tool
+        )
+
+    def pause(self, expected_wait_s: float | None = None, tool: str | None = None) -> PauseDecision:
+        """The agent is off to a tool: retain, offload or drop this session's KV (the policy
+        decides; with no ``expected_wait_s`` the wait is predicted from past waits)."""
+        return self.engine.pause_session(self, expected_wait_s, tool)
+
+    @property
+    def last_pause(self) -> PauseRecord | None:
+        return self.engine.offload.record_for(self.session_id)
 
     def generate(
         self, prompt: str | Seq[int], params: SamplingParams | None = None

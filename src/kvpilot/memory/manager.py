@@ -52,6 +52,8 @@ class KVManager:
         self.device = self.pools[Tier.DEVICE]
         self.radix = RadixCache(config.block_size, self.pools, clock)
         self.trajectories: dict[int, Trajectory] = {}
+        # References held by copies in flight (tier moves): counted by check_invariants.
+        self.pins: dict[Tier, Counter[int]] = {tier: Counter() for tier in self.pools}
         self._ids = itertools.count()
 
     def open_trajectory(self, salt: str | None = None, tokens: Iterable[int] = ()) -> Trajectory:
@@ -67,6 +69,31 @@ class KVManager:
 
     def _deregister(self, traj: Trajectory) -> None:
         self.trajectories.pop(traj.traj_id, None)
+
+    def pin(self, tier: Tier, blocks: Iterable[int], *, take_reference: bool = True) -> None:
+        """Hold ``blocks`` for a copy in flight, so no eviction frees them under it.
+
+        ``take_reference=False`` registers a reference the caller already owns (blocks it
+        just allocated).
+        """
+        pool = self.pools[tier]
+        for b in blocks:
+            if take_reference:
+                pool.incref(b)
+            self.pins[tier][b] += 1
+
+    def unpin(self, tier: Tier, blocks: Iterable[int], *, drop_reference: bool = True) -> None:
+        """Let go of pinned blocks; ``drop_reference=False`` hands the reference on."""
+        pool = self.pools[tier]
+        pins = self.pins[tier]
+        for b in blocks:
+            if pins[b] <= 0:
+                raise ValueError(f"{tier} block {b} is not pinned")
+            pins[b] -= 1
+            if not pins[b]:
+                del pins[b]
+            if drop_reference:
+                pool.decref(b)
 
     def free_blocks(self) -> int:
         """Device blocks admission can count on: free now plus evictable from the cache."""
@@ -114,13 +141,16 @@ class KVManager:
             while node is not None:
                 locks[node] += 1
                 node = node.parent
+        for tier, pins in self.pins.items():
+            for b, n in pins.items():
+                expected[tier][b] += n
         for tier, pool in self.pools.items():
             wrong = np.flatnonzero(pool.refcounts() != expected[tier])
             if wrong.size:
                 b = int(wrong[0])
                 raise AssertionError(
-                    f"{tier} block {b}: refcount {pool.refcount(b)}, but radix and trajectories "
-                    f"hold {int(expected[tier][b])} references"
+                    f"{tier} block {b}: refcount {pool.refcount(b)}, but radix, trajectories "
+                    f"and pins hold {int(expected[tier][b])} references"
                 )
         for node in self.radix.iter_nodes():
             _require(

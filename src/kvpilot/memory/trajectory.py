@@ -103,6 +103,11 @@ class Trajectory:
 
     # ---- turns ---------------------------------------------------------------------------
 
+    def token_array(self) -> array:
+        """The tokens as int32 (kept in step with ``tokens``): match on this, not the list."""
+        self._sync()
+        return self._buf
+
     def append_tokens(self, tokens: Iterable[int]) -> None:
         self._require_open()
         new = as_token_array(tokens if isinstance(tokens, Sequence) else list(tokens))

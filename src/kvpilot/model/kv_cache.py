@@ -86,17 +86,3 @@ class KVCache:
         src = self._block_index([src for src, _ in pairs])
         dst = self._block_index(dst_ids)
         self.data[:, :, dst] = self.data[:, :, src]
-
-    def read_blocks(self, block_ids: Sequence[int]) -> torch.Tensor:
-        """A copy of the named blocks, [num_layers, 2, n, block_size, H_kv, d_head] (swap-out)."""
-        return self.data[:, :, self._block_index(block_ids)]
-
-    def write_blocks(self, block_ids: Sequence[int], blocks: torch.Tensor) -> None:
-        """Overwrite the named blocks with data shaped like `read_blocks` returns (swap-in)."""
-        index = self._block_index(block_ids)
-        expected = (*self.data.shape[:2], len(block_ids), *self.data.shape[3:])
-        if tuple(blocks.shape) != expected:
-            raise InvalidRequest(
-                f"write_blocks expects shape {expected}, got {tuple(blocks.shape)}"
-            )
-        self.data[:, :, index] = blocks.to(device=self.data.device, dtype=self.data.dtype)

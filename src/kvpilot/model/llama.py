@@ -53,7 +53,7 @@ class LlamaModel:
         dtype: torch.dtype,
     ) -> None:
         self.config = config
-        store = _WeightStore(config, weights, device, dtype)
+        store = _WeightStore(weights, device, dtype)
         self.embed = store.take(
             "model.embed_tokens.weight", (config.vocab_size, config.hidden_size)
         )
@@ -113,11 +113,7 @@ class _WeightStore:
     """Checkpoint tensors by name, moved to the device and dtype as they are taken."""
 
     def __init__(
-        self,
-        config: ModelConfig,
-        weights: Iterable[tuple[str, torch.Tensor]],
-        device: torch.device,
-        dtype: torch.dtype,
+        self, weights: Iterable[tuple[str, torch.Tensor]], device: torch.device, dtype: torch.dtype
     ) -> None:
         self.tensors = dict(weights)
         self.device = device

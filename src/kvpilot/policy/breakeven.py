@@ -39,6 +39,9 @@ class PauseAction(StrEnum):
     OFFLOAD_HOST = "offload_host"
     OFFLOAD_DISK = "offload_disk"
     DROP = "drop"
+    # Not chosen by the rule: the pause-unaware baseline (unlock and leave the blocks in the
+    # prefix cache, where LRU eviction decides their fate) is recorded under this action.
+    CACHE = "cache"
 
 
 @dataclass(frozen=True, slots=True)

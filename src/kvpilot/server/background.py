@@ -27,7 +27,9 @@ class BackgroundServer:
         return f"http://{self.host}:{self.port}"
 
     def __enter__(self) -> BackgroundServer:
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        # proto must be IPPROTO_TCP: asyncio sets TCP_NODELAY on accepted sockets only then,
+        # and without it every response waits ~40 ms on Nagle + delayed ACK.
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((self.host, 0))
         self.port = sock.getsockname()[1]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +37,8 @@ class ServeOptions:
     api_keys: Path | None = None
     max_model_len: int | None = None
     max_num_seqs: int | None = None
+    device: str | None = None
+    dtype: str | None = None
     limits: ServerLimits = dataclasses.field(default_factory=ServerLimits)
 
     def __post_init__(self) -> None:
@@ -60,29 +63,27 @@ def build_app(options: ServeOptions) -> FastAPI:
     from kvpilot.server.app import create_app
 
     keys = ApiKeys.from_file(options.api_keys) if options.api_keys else ApiKeys()
-    engine_options: dict[str, Any] = {}
-    if options.kv_blocks is not None:
-        engine_options["kv_blocks"] = options.kv_blocks
-    if options.kv_memory_bytes is not None:
-        engine_options["kv_memory_bytes"] = options.kv_memory_bytes
-    if options.max_model_len is not None:
-        engine_options["max_model_len"] = options.max_model_len
-    if options.max_num_seqs is not None:
-        engine_options["max_num_seqs"] = options.max_num_seqs
+    given = {
+        "kv_blocks": options.kv_blocks,
+        "kv_memory_bytes": options.kv_memory_bytes,
+        "max_model_len": options.max_model_len,
+        "max_num_seqs": options.max_num_seqs,
+        "device": options.device,
+        "dtype": options.dtype,
+    }
+    engine_options: dict[str, Any] = {k: v for k, v in given.items() if v is not None}
     known = {f.name for f in dataclasses.fields(EngineConfig)}
-    report: dict[str, Any] = {"policy": options.policy}
     tier_values = {
         "host_memory_bytes": options.host_memory_bytes,
         "disk_dir": str(options.disk_dir) if options.disk_dir else None,
         "policy": options.policy,
     }
+    report: dict[str, Any] = dict(tier_values)
     pending = []
     for name, value in tier_values.items():
-        report[name] = value
-        field = _TIER_FIELDS[name]
-        if field in known:
-            engine_options[field] = value
-        elif value is not None and name != "policy":
+        if _TIER_FIELDS[name] in known:
+            engine_options[_TIER_FIELDS[name]] = value
+        elif value is not None:
             pending.append(name)
     report["tiers_applied"] = not pending
     if pending:
@@ -91,13 +92,8 @@ def build_app(options: ServeOptions) -> FastAPI:
             "(device tier only until the tier work lands)"
         )
     engine = Engine.from_pretrained(options.model, **engine_options)
-    limits = options.limits
     return create_app(
-        engine,
-        model_name=options.model,
-        limits=limits,
-        api_keys=keys,
-        options=report,
+        engine, model_name=options.model, limits=options.limits, api_keys=keys, options=report
     )
 
 
@@ -123,6 +119,10 @@ def serve(
     ] = None,
     max_model_len: Annotated[int | None, typer.Option(help="Cap on the model context.")] = None,
     max_num_seqs: Annotated[int | None, typer.Option(help="Most sequences in a batch.")] = None,
+    device: Annotated[str | None, typer.Option(help="cpu or cuda (default cpu).")] = None,
+    dtype: Annotated[
+        str | None, typer.Option(help="float32, bfloat16 or float16 (default float32).")
+    ] = None,
     max_tokens_limit: Annotated[
         int, typer.Option(help="Largest max_tokens a request may ask for.")
     ] = 4096,
@@ -133,6 +133,7 @@ def serve(
     """Serve a model over an OpenAI-compatible HTTP API, with agent sessions and /metrics."""
     import uvicorn
 
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(name)s: %(message)s")
     try:
         options = ServeOptions(
             model=model,
@@ -144,6 +145,8 @@ def serve(
             api_keys=api_keys,
             max_model_len=max_model_len,
             max_num_seqs=max_num_seqs,
+            device=device,
+            dtype=dtype,
             limits=ServerLimits(
                 max_tokens_limit=max_tokens_limit,
                 max_n=max_n,

@@ -221,15 +221,10 @@ class ServerMetrics:
         The engine's sample lists are emptied once observed, so a long-running server's
         memory does not grow with every token it has ever served.
         """
-        stats = engine.stats
-        for samples, histogram in (
-            (stats.ttft_s, self.ttft),
-            (stats.itl_s, self.itl),
-            (stats.e2e_s, self.e2e),
-        ):
+        ttft, itl, e2e = engine.stats.drain_samples()
+        for samples, histogram in ((ttft, self.ttft), (itl, self.itl), (e2e, self.e2e)):
             for value in samples:
                 histogram.observe(value)
-            samples.clear()
         snap = snapshot(engine)
         with self._lock:
             self._latest = snap

@@ -154,10 +154,7 @@ def run_simulation(
     on_progress: Callable[[float], None] | None = None,
 ) -> SimResult:
     """Simulate ``workload`` (agent config, or replay sessions) for ``setup.duration_s``."""
-    if isinstance(workload, WorkloadConfig):
-        vocab = workload.vocab_size
-    else:
-        vocab = vocab_size or 32000
+    vocab = workload.vocab_size if isinstance(workload, WorkloadConfig) else vocab_size or 32000
     engine, note = build_engine(setup, vocab, policy)
     sim = Simulator(
         engine,

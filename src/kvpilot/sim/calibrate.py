@@ -65,23 +65,20 @@ class ProcessClock:
 
 
 class TimedExecutor:
-    """A real executor that remembers the shape of each batch and times block copies."""
+    """A real executor that remembers the shape of its last batch."""
 
     def __init__(self, inner: Executor) -> None:
         self.inner = inner
         self.block_size = inner.block_size
         self.num_blocks = inner.num_blocks
         self.last_shape: BatchShape | None = None
-        self.copies: list[tuple[int, float]] = []
 
     def execute(self, works: Sequence[SeqWork]) -> StepOutput:
         self.last_shape = batch_shape(works)
         return self.inner.execute(works)
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
-        t0 = time.process_time()
         self.inner.copy_blocks(pairs)
-        self.copies.append((len(pairs), time.process_time() - t0))
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,7 +173,10 @@ def _episodes(rng: random.Random, vocab: int, quick: bool) -> list[_Episode]:
 
 
 def _run_timed(
-    engine: Engine, timed: TimedExecutor, prompts: list[tuple[list[int], int]], out: list[StepSample]
+    engine: Engine,
+    timed: TimedExecutor,
+    prompts: list[tuple[list[int], int]],
+    out: list[StepSample],
 ) -> None:
     pending = {
         engine.add_request(p, SamplingParams(max_tokens=k, ignore_eos=True)) for p, k in prompts
@@ -290,9 +290,7 @@ def calibrate(
     """Measure ``model`` on the real engine and fit its step profile."""
     with torch_threads(threads):
         engine, timed = real_engine(model, kv_blocks=kv_blocks, config=config)
-        samples = measure_steps(
-            engine, timed, seed=seed, quick=quick, on_progress=on_progress
-        )
+        samples = measure_steps(engine, timed, seed=seed, quick=quick, on_progress=on_progress)
         copy_s = _measure_copy(timed)
     return fit_profile(
         samples,

@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Protocol
 
@@ -157,6 +157,12 @@ class RooflineCostModel:
     hbm_efficiency: float = 0.8
     step_overhead_s: float = 1e-3
     block_size: int = 16
+    # Per-step constants, derived once: seconds per linear token, per attention pair, of
+    # weight streaming, and per KV token moved.
+    _s_per_token: float = field(init=False, repr=False, compare=False)
+    _s_per_pair: float = field(init=False, repr=False, compare=False)
+    _weights_s: float = field(init=False, repr=False, compare=False)
+    _s_per_kv_token: float = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not 0.0 < self.mfu <= 1.0:
@@ -172,6 +178,14 @@ class RooflineCostModel:
                 f"of {self.node.name}"
             )
         self.geometry.kv_heads_per_device(tp)
+        g = self.geometry
+        flops_s = tp * self._flops_per_s()
+        bytes_s = self._bytes_per_s()
+        d_attn = g.num_attention_heads * g.head_dim
+        object.__setattr__(self, "_s_per_token", 2.0 * g.flops_params / flops_s)
+        object.__setattr__(self, "_s_per_pair", 4.0 * g.num_layers * d_attn / flops_s)
+        object.__setattr__(self, "_weights_s", g.weight_bytes(tp) / bytes_s)
+        object.__setattr__(self, "_s_per_kv_token", g.bytes_per_token(tp) / bytes_s)
 
     @property
     def tp_degree(self) -> int:
@@ -213,7 +227,10 @@ class RooflineCostModel:
     def step_time_s(self, shape: BatchShape) -> float:
         if not shape.num_seqs:
             return 0.0
-        return self.cost(shape).time_s
+        new = shape.prefill_tokens + shape.decode_seqs
+        compute = self._s_per_token * new + self._s_per_pair * shape.attention_pairs
+        memory = self._weights_s + self._s_per_kv_token * (shape.kv_read_tokens + new)
+        return (compute if compute > memory else memory) + self.step_overhead_s
 
     def copy_time_s(self, num_blocks: int) -> float:
         # A device-internal copy reads and writes every byte once.

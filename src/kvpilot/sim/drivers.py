@@ -21,7 +21,8 @@ from kvpilot.engine.request import RequestOutput
 from kvpilot.engine.session import Session
 from kvpilot.sim.replay import ReplaySession
 from kvpilot.sim.simulator import Simulator
-from kvpilot.sim.workload import TrajectorySpec, TurnSpec, WorkloadConfig, WorkloadGenerator
+from kvpilot.sim.trajectories import TrajectorySpec, TurnSpec, WorkloadGenerator
+from kvpilot.sim.workload import WorkloadConfig
 
 
 @dataclass(eq=False, slots=True)
@@ -214,9 +215,7 @@ class ReplayDriver:
         assert sim is not None
         call = session.calls[i]
         self.calls += 1
-        rid = sim.submit(
-            call.prompt, call.output_tokens, lambda _out: self._done(session, i)
-        )
+        rid = sim.submit(call.prompt, call.output_tokens, lambda _out: self._done(session, i))
         if rid is None:
             self.rejected += 1
             self._done(session, i)

@@ -15,6 +15,7 @@ touches a display or global state.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from pathlib import Path
@@ -101,7 +102,7 @@ def plot_latency(result: SimResult, path: Path) -> Path:
     ):
         values = s[key]
         ys = []
-        for lo, hi in zip(edges[:-1], edges[1:], strict=True):
+        for lo, hi in itertools.pairwise(edges):
             sel = values[(usage >= lo) & (usage < hi) & np.isfinite(values)]
             ys.append(1e3 * float(reduce(sel)) if len(sel) else math.nan)
         y = np.asarray(ys)
@@ -150,7 +151,7 @@ def plot_breakeven(
     offload = np.where(waits >= reload_s, reload_s, reload_s + (reload_s - waits))
     fig = Figure(figsize=(12, 4.8))
     left, right = fig.subplots(1, 2)
-    left.plot(waits, np.zeros_like(waits) + 1e-3, label="retain (no stall; holds HBM)")
+    left.plot(waits, np.zeros_like(waits) + 1e-3, label="retain: 0 s (drawn at 1 ms); holds HBM")
     left.plot(waits, offload, label="offload to host + reload")
     left.plot(waits, np.full_like(waits, recompute_s), label="drop + recompute")
     round_trip = decision.round_trip_s

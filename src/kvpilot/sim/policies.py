@@ -37,9 +37,7 @@ POLICIES: dict[str, SimPolicy] = {
             "prefix caching off: every turn prefills its whole context",
             {"enable_prefix_caching": False},
         ),
-        SimPolicy(
-            "monolithic", "prefill in one step, not chunked", {"chunked_prefill": False}
-        ),
+        SimPolicy("monolithic", "prefill in one step, not chunked", {"chunked_prefill": False}),
         *(
             SimPolicy(name, f"pause policy {name!r} for idle trajectories", pause_policy=name)
             for name in PAUSE_POLICIES

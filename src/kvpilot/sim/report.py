@@ -49,6 +49,7 @@ class SimResult:
     turns_completed: int
     rejected: int
     stalled: bool
+    blocked_s: float
     counters: dict[str, int]
     ttft_s: np.ndarray
     itl_s: np.ndarray
@@ -103,6 +104,7 @@ class SimResult:
             turns_completed=len(sim.turns),
             rejected=sim.rejected,
             stalled=sim.stalled,
+            blocked_s=sim.blocked_s,
             counters=dict(counters),
             ttft_s=sim.turns.ttft_s(),
             itl_s=np.asarray(sim.itl_s, dtype=float),
@@ -186,6 +188,7 @@ class SimResult:
             "fork_copied_blocks": self.fork_copied_blocks,
             "rejected": self.rejected,
             "stalled": self.stalled,
+            "blocked_s": self.blocked_s,
             **self.counters,
             **self.extra,
         }
@@ -233,27 +236,56 @@ def print_result(console: Console, r: SimResult) -> None:
     table.add_column("metric", style="bold")
     table.add_column("value")
     rows = [
-        ("model / node", f"{r.model} on {r.node} (TP={r.tp}, {r.replicas} replica(s) simulated as 1)"),
+        (
+            "model / node",
+            f"{r.model} on {r.node} (TP={r.tp}, {r.replicas} replica(s) simulated as 1)",
+        ),
         ("KV pool", f"{r.kv_blocks:,} blocks x {r.block_size} tokens"),
         ("cost model", r.cost_model),
-        ("simulated", f"{r.duration_s:,.0f} s in {r.wall_s:.1f} s wall ({s['sim_s_per_wall_s']:.0f}x)"),
-        ("throughput", f"{s['output_tokens_per_s']:,.0f} output tok/s, "
-         f"{s['processed_tokens_per_s']:,.0f} processed tok/s (per replica)"),
-        ("trajectories / hour", f"{s['trajectories_per_hour']:,.1f} "
-         f"({r.counters.get('trajectories_completed', 0)} done, "
-         f"{r.counters.get('trajectories_started', 0)} started)"),
+        (
+            "simulated",
+            f"{r.duration_s:,.0f} s in {r.wall_s:.1f} s wall ({s['sim_s_per_wall_s']:.0f}x)",
+        ),
+        (
+            "throughput",
+            f"{s['output_tokens_per_s']:,.0f} output tok/s, "
+            f"{s['processed_tokens_per_s']:,.0f} processed tok/s (per replica)",
+        ),
+        (
+            "trajectories / hour",
+            f"{s['trajectories_per_hour']:,.1f} "
+            f"({r.counters.get('trajectories_completed', 0)} done, "
+            f"{r.counters.get('trajectories_started', 0)} started)",
+        ),
         ("TTFT p50 / p99", f"{_ms(s['ttft_p50_s'])} / {_ms(s['ttft_p99_s'])}"),
         ("ITL p50 / p99", f"{_ms(s['itl_p50_s'])} / {_ms(s['itl_p99_s'])}"),
-        ("KV usage", f"mean {s['kv_usage_mean']:.0%}, max {s['kv_usage_max']:.0%}; held (not "
-         f"evictable) mean {s['kv_held_mean']:.0%}, max {s['kv_held_max']:.0%}"),
+        (
+            "KV usage",
+            f"mean {s['kv_usage_mean']:.0%}, max {s['kv_usage_max']:.0%}; held (not "
+            f"evictable) mean {s['kv_held_mean']:.0%}, max {s['kv_held_max']:.0%}",
+        ),
         ("KV usage over time", sparkline(r.samples.get("kv_usage", []))),
         ("prefix hit rate", f"{r.hit_rate:.1%} (radix {r.radix_hit_rate:.1%})"),
         ("recomputed tokens", f"{_si(r.recomputed_tokens)} ({r.preemptions:,} preemptions)"),
-        ("bytes moved", f"{_si(r.bytes_moved)}B between tiers; "
-         f"{r.fork_copied_blocks:,} fork tail blocks copied"),
-        ("turns", f"{r.turns_completed:,} finished, {r.rejected:,} rejected"
-         + (" — STALLED: waiting work could never be admitted" if r.stalled else "")),
+        (
+            "bytes moved",
+            f"{_si(r.bytes_moved)}B between tiers; "
+            f"{r.fork_copied_blocks:,} fork tail blocks copied",
+        ),
+        (
+            "turns",
+            f"{r.turns_completed:,} finished, {r.rejected:,} rejected"
+            + (" — STALLED: waiting work could never be admitted" if r.stalled else ""),
+        ),
     ]
+    if r.blocked_s > 0:
+        rows.append(
+            (
+                "[red]engine blocked[/red]",
+                f"[red]{r.blocked_s:,.0f} s with work waiting and nothing admitted "
+                f"(held KV >= tau_high, nothing running)[/red]",
+            )
+        )
     for k, v in rows:
         table.add_row(k, v)
     console.print(table)
@@ -263,8 +295,18 @@ def print_result(console: Console, r: SimResult) -> None:
 
 def print_comparison(console: Console, results: Sequence[SimResult]) -> None:
     table = Table(title="policy comparison (same workload, same seed)", title_justify="left")
-    for col in ("policy", "out tok/s", "traj/h", "TTFT p50", "TTFT p99", "ITL p99",
-                "hit rate", "KV max", "preempt", "recomputed"):
+    for col in (
+        "policy",
+        "out tok/s",
+        "traj/h",
+        "TTFT p50",
+        "TTFT p99",
+        "ITL p99",
+        "hit rate",
+        "KV max",
+        "preempt",
+        "recomputed",
+    ):
         table.add_column(col, justify="right" if col != "policy" else "left")
     for r in results:
         s = r.summary()

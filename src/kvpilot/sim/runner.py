@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from kvpilot.engine.clock import VirtualClock
 from kvpilot.engine.executor import SeqWork, StepOutput
 from kvpilot.errors import ConfigError
-from kvpilot.sim.cost_model import BatchShape, StepCostModel, batch_shape
+from kvpilot.sim.cost_model import BatchShape, StepCostModel
 
 
 class SimulatedRunner:
@@ -51,25 +51,35 @@ class SimulatedRunner:
         self._high_water: dict[int, int] = {}
 
     def execute(self, works: Sequence[SeqWork]) -> StepOutput:
-        shape = batch_shape(works)
-        dt = self.cost.step_time_s(shape)
-        self.clock.advance(dt)
-        self.busy_s += dt
-        self.steps += 1
-        self.last_shape = shape
         high = self._high_water
         vocab = self.vocab_size - 1
         out: dict[int, list[int]] = {}
-        for w in works:  # hot path
-            end = w.start_pos + len(w.token_ids)
+        prefill = decode = kv_read = pairs = recomputed = 0
+        for w in works:  # hot path: batch_shape and sampling in one pass
+            c = len(w.token_ids)
+            p = w.start_pos
+            if c == 1:
+                decode += 1
+            else:
+                prefill += c
+            kv_read += p
+            pairs += c * p + c * (c + 1) // 2
+            end = p + c
             mark = high.get(w.seq_id, 0)
-            if w.start_pos < mark:
-                self.recomputed_tokens += min(end, mark) - w.start_pos
+            if p < mark:
+                recomputed += min(end, mark) - p
             if end > mark:
                 high[w.seq_id] = end
             if w.sampling is not None:
                 base = (w.seed * 0x9E3779B1 + w.step * 0x85EBCA77) & 0xFFFFFFFF
                 out[w.seq_id] = [1 + (base + j * 0xC2B2AE3D) % vocab for j in range(w.sample_count)]
+        shape = BatchShape(len(works), prefill, decode, kv_read, pairs)
+        dt = self.cost.step_time_s(shape)
+        self.clock.advance(dt)
+        self.busy_s += dt
+        self.steps += 1
+        self.recomputed_tokens += recomputed
+        self.last_shape = shape
         return StepOutput(out)
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:

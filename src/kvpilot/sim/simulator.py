@@ -11,6 +11,10 @@ engine) it is slept. Every iteration:
    next event; with no event left, stop;
 4. sample telemetry every ``sample_interval_s``.
 
+Time during which the engine holds unfinished work yet can schedule none of it (admission
+refuses every waiting request and nothing runs) is counted in ``blocked_s``: a healthy
+engine keeps it at zero.
+
 It stops at ``duration_s`` (requests still in flight are not counted as finished turns).
 """
 
@@ -115,6 +119,7 @@ class Simulator:
         self.itl_s = array("f")
         self.rejected = 0
         self.stalled = False
+        self.blocked_s = 0.0
         self.wall_s = 0.0
         self._events: list[tuple[float, int, Callable[[], None]]] = []
         self._seq = itertools.count()
@@ -169,14 +174,15 @@ class Simulator:
 
     def run(self, driver: Driver) -> None:
         engine = self.engine
-        stats = engine.stats
+        clock_now, t0 = self.clock.now, self.t0
+        has_work, step = engine.has_unfinished, engine.step
         end = self.duration_s
+        events = self._events
         next_sample = 0.0
         wall0 = time.perf_counter()
         driver.start(self)
-        while True:
-            now = self.now
-            events = self._events
+        while True:  # hot path
+            now = clock_now() - t0
             while events and events[0][0] <= now:
                 t, _, fn = heapq.heappop(events)
                 self._event_time = t
@@ -189,19 +195,23 @@ class Simulator:
                 next_sample = now + self.sample_interval_s
                 if self.on_progress is not None:
                     self.on_progress(now)
-            if engine.has_unfinished():
-                steps = stats.steps
-                outputs = engine.step()
+            if has_work():
+                steps = engine.stats.steps
+                outputs = step()
                 for out in outputs:
                     if out.finished:
                         self._complete(out)
-                if stats.steps != steps or outputs:
+                if engine.stats.steps != steps or outputs:
                     continue
             # Nothing ran: idle, or every waiting request is held back by admission.
+            blocked = has_work()
             if not events:
-                self.stalled = engine.has_unfinished()
+                self.stalled = blocked
                 break
-            self._wait_until(min(events[0][0], end))
+            target = min(events[0][0], end)
+            if blocked:
+                self.blocked_s += max(0.0, target - now)
+            self._wait_until(target)
         self._sample(min(self.now, end))
         self.wall_s = time.perf_counter() - wall0
 

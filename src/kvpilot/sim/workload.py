@@ -39,20 +39,15 @@ whole context with a fresh volatile token (a timestamp, a request id) at ``volat
 everything after it misses the prefix cache. A fork runs its branches (each a few turns
 after its own tool wait) while the parent waits; the parent then resumes.
 
-Everything random is drawn from per-trajectory generators seeded by ``(seed, index)``, so a
-trajectory does not depend on the order the simulator asks for them. Identical content is
-identical ids: the shared prefix is one fixed list, and each turn's content is a pure
-function of its seed.
+`kvpilot.sim.trajectories.WorkloadGenerator` turns a config into trajectories and token ids.
 """
 
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import yaml
 
 from kvpilot.errors import ConfigError
@@ -142,9 +137,7 @@ class WorkloadConfig:
     arrival: ArrivalConfig = field(default_factory=ArrivalConfig)
     turns: Dist = field(default_factory=lambda: Dist("uniform", 6, 30))
     task_tokens: Dist = field(default_factory=lambda: Dist("lognormal", 800, 0.6, hi=8000))
-    observation_tokens: Dist = field(
-        default_factory=lambda: Dist("lognormal", 400, 1.3, hi=30000)
-    )
+    observation_tokens: Dist = field(default_factory=lambda: Dist("lognormal", 400, 1.3, hi=30000))
     output_tokens: Dist = field(default_factory=lambda: Dist("lognormal", 150, 0.7, 8, 2000))
     max_context_tokens: int = 120_000
     system_tokens: int = 2000
@@ -306,130 +299,3 @@ def _from_dict(data: Any) -> WorkloadConfig:
             branch_turns=parse_dist(br.get("branch_turns", 1), "branching.branch_turns"),
         )
     return WorkloadConfig(**kw)
-
-
-# ---- trajectories -------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class TurnSpec:
-    """One model call: after a tool wait, ``new_tokens`` of content arrive, ``output_tokens``
-    are generated. ``fork`` (if any) runs right after this turn, before the next wait."""
-
-    wait_before_s: float
-    tool: str
-    new_tokens: int
-    output_tokens: int
-    content_seed: int
-    fork: ForkSpec | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class ForkSpec:
-    branches: tuple[tuple[TurnSpec, ...], ...]
-
-
-@dataclass(frozen=True, slots=True)
-class TrajectorySpec:
-    index: int
-    turns: tuple[TurnSpec, ...]
-
-    def num_calls(self) -> int:
-        def count(turns: tuple[TurnSpec, ...]) -> int:
-            n = len(turns)
-            for t in turns:
-                if t.fork is not None:
-                    n += sum(count(b) for b in t.fork.branches)
-            return n
-
-        return count(self.turns)
-
-
-class WorkloadGenerator:
-    """Turns a `WorkloadConfig` into trajectories and their token ids, deterministically."""
-
-    def __init__(self, config: WorkloadConfig) -> None:
-        self.config = config
-        self._weights = [t.weight for t in config.tools]
-        hi = config.vocab_size
-        self.system_ids = _ids(np.random.default_rng([config.seed, 1]), config.system_tokens, hi)
-        self.tool_ids = _ids(np.random.default_rng([config.seed, 2]), config.tool_tokens, hi)
-
-    @property
-    def shared_ids(self) -> list[int]:
-        return self.system_ids + self.tool_ids
-
-    def volatile_position(self) -> int:
-        where = self.config.volatile_after
-        if where == "head":
-            return 0
-        if where == "system":
-            return len(self.system_ids)
-        return len(self.system_ids) + len(self.tool_ids)
-
-    def content(self, seed: int, n: int) -> list[int]:
-        """``n`` token ids of content identified by ``seed`` (same seed, same ids)."""
-        return _ids(np.random.default_rng([self.config.seed, 3, seed]), n, self.config.vocab_size)
-
-    def volatile_token(self, traj_index: int, call_index: int) -> int:
-        rng = random.Random(f"{self.config.seed}:volatile:{traj_index}:{call_index}")
-        return rng.randrange(1, self.config.vocab_size)
-
-    def first_prompt(self, spec: TrajectorySpec) -> list[int]:
-        """``system + tools + task`` (the volatile token is the caller's, if unstable)."""
-        first = spec.turns[0]
-        return self.shared_ids + self.content(first.content_seed, first.new_tokens)
-
-    def trajectory(self, index: int) -> TrajectorySpec:
-        cfg = self.config
-        rng = random.Random(f"{cfg.seed}:trajectory:{index}")
-        budget = cfg.max_context_tokens - cfg.shared_tokens - 1
-        n_turns = cfg.turns.sample_int(rng, minimum=1)
-        turns = self._turns(rng, n_turns, budget, depth=0, first=True)
-        if not turns:
-            raise ConfigError(
-                f"workload {cfg.name!r}: the shared prefix ({cfg.shared_tokens} tokens) leaves "
-                f"no room for a turn within max_context_tokens={cfg.max_context_tokens}"
-            )
-        return TrajectorySpec(index, tuple(turns))
-
-    def _turns(
-        self, rng: random.Random, n: int, budget: int, depth: int, first: bool
-    ) -> list[TurnSpec]:
-        cfg = self.config
-        out: list[TurnSpec] = []
-        for i in range(n):
-            starting = first and i == 0
-            new = (cfg.task_tokens if starting else cfg.observation_tokens).sample_int(rng, 1)
-            output = cfg.output_tokens.sample_int(rng, 1)
-            if starting:
-                wait, tool = 0.0, ""
-            else:
-                spec = rng.choices(cfg.tools, weights=self._weights)[0]
-                wait, tool = max(0.0, spec.wait_s.sample(rng)), spec.name
-            seed = rng.getrandbits(63)
-            fork = None
-            br = cfg.branching
-            if depth < br.max_depth and br.probability > 0 and rng.random() < br.probability:
-                fork = [
-                    (br.branch_turns.sample_int(rng, 1), rng.getrandbits(63))
-                    for _ in range(br.fork_factor)
-                ]
-            if new + output > budget:
-                break
-            budget -= new + output
-            fork_spec = None
-            if fork is not None:
-                branches = []
-                for count, branch_seed in fork:
-                    sub = random.Random(branch_seed)
-                    turns = self._turns(sub, count, budget, depth + 1, first=False)
-                    if turns:
-                        branches.append(tuple(turns))
-                fork_spec = ForkSpec(tuple(branches)) if branches else None
-            out.append(TurnSpec(wait, tool, new, output, seed, fork_spec))
-        return out
-
-
-def _ids(rng: np.random.Generator, n: int, vocab_size: int) -> list[int]:
-    return rng.integers(1, vocab_size, size=n, dtype=np.int64).tolist()

@@ -26,18 +26,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from rich.console import Console
+from rich.table import Table
 
 from kvpilot.errors import ConfigError
 from kvpilot.trace.ideal import ideal_hits
-from kvpilot.trace.loader import load_trace_calls
-from kvpilot.trace.schema import (
-    HASH_BLOCK_TOKENS,
-    CharsPerToken,
-    Tokenize,
-    detect_trace_format,
-    hashed_tokens,
-    load_hashed_trace,
-)
+from kvpilot.trace.schema import TraceInput
 
 APPENDED = "appended"
 UNKNOWN = "unknown"
@@ -85,16 +79,6 @@ def load_zone_markers(path: Path | str) -> tuple[ZoneMarker, ...]:
             raise ConfigError(f"{p}[{i}]: each zone marker needs 'zone' and 'marker'")
         out.append(ZoneMarker(str(item["zone"]), str(item["marker"]), bool(item.get("after"))))
     return tuple(out)
-
-
-@dataclass(frozen=True, slots=True)
-class TraceInput:
-    """One call, normalised: its tokens, and its text when the trace has it."""
-
-    session_id: str
-    timestamp_s: float
-    tokens: list[int]
-    text: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -254,7 +238,9 @@ def diagnose(
     if block_size < 1:
         raise ConfigError(f"block size must be >= 1, got {block_size}")
     ordered = sorted(range(len(calls)), key=lambda i: calls[i].timestamp_s)
-    ideal = dict(zip(ordered, ideal_hits([calls[i].tokens for i in ordered], block_size), strict=True))
+    ideal = dict(
+        zip(ordered, ideal_hits([calls[i].tokens for i in ordered], block_size), strict=True)
+    )
     by_session: dict[str, list[int]] = {}
     for i in ordered:
         by_session.setdefault(calls[i].session_id, []).append(i)
@@ -280,7 +266,7 @@ def diagnose(
             if not appended and div < len(prev.tokens) - block_size:
                 possible = min(len(prev.tokens) // block_size * block_size, usable)
                 lost = max(0, possible - reuse)
-            zone = _zone(prev, call, appended, markers)
+            zone = _zone(prev, call, div, block_size, markers)
             zones[zone] += 1
             out.append(
                 CallDiagnosis(
@@ -301,44 +287,17 @@ def diagnose(
     return TraceDiagnosis(block_size, tuple(sessions), GapSummary.of(gaps), dict(zones))
 
 
-def _zone(prev: TraceInput, call: TraceInput, appended: bool, markers: Sequence[ZoneMarker]) -> str:
+def _zone(
+    prev: TraceInput, call: TraceInput, div: int, block: int, markers: Sequence[ZoneMarker]
+) -> str:
     if prev.text is None or call.text is None:
-        return APPENDED if appended else UNKNOWN
+        # Hashed traces hash a partial last block as a whole: a divergence inside it is an
+        # append as far as anyone can tell.
+        return APPENDED if div >= len(prev.tokens) // block * block else UNKNOWN
     char = _first_diff(prev.text, call.text)
     if char >= len(prev.text):
         return APPENDED
     return zone_at(char, zone_starts(prev.text, markers))
-
-
-def load_trace_inputs(
-    paths: Sequence[Path | str],
-    *,
-    tokenize: Tokenize | None = None,
-    chars_per_token: int = 4,
-    vocab_size: int = 32000,
-    hash_block_tokens: int = HASH_BLOCK_TOKENS,
-    timestamp_unit: str = "s",
-) -> list[TraceInput]:
-    """Calls of a text or hashed trace, tokenized (text: ``tokenize`` or chars-per-token)."""
-    formats = {detect_trace_format(p) for p in paths}
-    if len(formats) > 1:
-        raise ConfigError("do not mix text and hashed traces in one analysis")
-    if formats == {"text"}:
-        tok = tokenize or CharsPerToken(chars_per_token, vocab_size)
-        return [
-            TraceInput(s.session_id, c.timestamp_s, tok(c.input), c.input)
-            for s in load_trace_calls(*paths)
-            for c in s.calls
-        ]
-    calls = load_hashed_trace(*paths, block_tokens=hash_block_tokens, timestamp_unit=timestamp_unit)
-    return [
-        TraceInput(
-            c.session_id if c.session_id is not None else f"call-{c.line}",
-            c.timestamp_s,
-            hashed_tokens(c, vocab_size, hash_block_tokens),
-        )
-        for c in calls
-    ]
 
 
 _SAFE = re.compile(r"[^A-Za-z0-9._-]")
@@ -347,3 +306,87 @@ _SAFE = re.compile(r"[^A-Za-z0-9._-]")
 def short_id(session_id: str, width: int = 12) -> str:
     s = _SAFE.sub("_", session_id)
     return s if len(s) <= width else s[: width - 1] + "…"
+
+
+def render_diagnosis(console: Console, d: TraceDiagnosis, turns: bool = False) -> None:
+    """The diagnosis as rich tables: per session, the breaking calls, optionally every call."""
+    table = Table(title=f"prefix reuse per session (block {d.block_size})", title_justify="left")
+    for col in (
+        "session",
+        "calls",
+        "prompt tok",
+        "reuse prev",
+        "ideal",
+        "breaks",
+        "lost tok",
+        "gap p50",
+    ):
+        table.add_column(col, justify="left" if col == "session" else "right")
+    for s in d.sessions:
+        gaps = s.gaps_s
+        gap = f"{sorted(gaps)[len(gaps) // 2]:.1f} s" if gaps else "-"
+        table.add_row(
+            short_id(s.session_id),
+            str(len(s.calls)),
+            f"{s.prompt_tokens:,}",
+            f"{s.reuse_rate:.1%}",
+            f"{s.ideal_rate:.1%}",
+            str(len(s.breaks)),
+            f"{s.lost_tokens:,}",
+            gap,
+        )
+    table.add_row(
+        "all",
+        str(sum(len(s.calls) for s in d.sessions)),
+        f"{d.prompt_tokens:,}",
+        f"{d.reuse_rate:.1%}",
+        f"{d.ideal_rate:.1%}",
+        str(sum(len(s.breaks) for s in d.sessions)),
+        f"{sum(s.lost_tokens for s in d.sessions):,}",
+        "",
+        style="bold",
+    )
+    console.print(table)
+    g = d.gaps
+    console.print(
+        f"tool wait (gap between calls): n={g.count}, p50 {g.p50_s:.2f} s, p90 {g.p90_s:.2f} s, "
+        f"p99 {g.p99_s:.2f} s, max {g.max_s:.2f} s"
+    )
+    zones = ", ".join(f"{k}: {v}" for k, v in sorted(d.zones.items(), key=lambda kv: -kv[1]))
+    console.print(f"where consecutive calls first differ: {zones or '-'}")
+    breaking = d.breaking_sessions
+    if breaking:
+        bt = Table(title="calls that break the prefix (layout problems)", title_justify="left")
+        for col in ("session", "call", "diverges at", "of prev", "zone", "lost tok"):
+            bt.add_column(col)
+        for s in breaking:
+            for c in s.breaks:
+                prev = s.calls[c.index - 1].prompt_tokens
+                bt.add_row(
+                    short_id(s.session_id),
+                    str(c.index),
+                    f"{c.divergence:,}",
+                    f"{c.divergence / prev:.0%}" if prev else "-",
+                    c.divergence_zone or "-",
+                    f"{c.lost_tokens:,}",
+                )
+        console.print(bt)
+    else:
+        console.print("no session breaks its prefix: every call extends the previous one")
+    if turns:
+        tt = Table(title="calls", title_justify="left")
+        for col in ("session", "call", "tokens", "reuse", "ideal", "diverges at", "zone", "gap"):
+            tt.add_column(col)
+        for s in d.sessions:
+            for c in s.calls:
+                tt.add_row(
+                    short_id(s.session_id),
+                    str(c.index),
+                    f"{c.prompt_tokens:,}",
+                    f"{c.reuse_tokens:,}",
+                    f"{c.ideal_tokens:,}",
+                    "-" if c.divergence is None else f"{c.divergence:,}",
+                    c.divergence_zone or "-",
+                    "-" if c.gap_s is None else f"{c.gap_s:.2f} s",
+                )
+        console.print(tt)

@@ -7,6 +7,7 @@ Calls are grouped per session and ordered by timestamp.
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections import defaultdict
 from dataclasses import dataclass
@@ -32,7 +33,7 @@ class TraceSession:
     def gaps_s(self) -> list[float]:
         """Time from each call to the next: generation plus tool time."""
         ts = [c.timestamp_s for c in self.calls]
-        return [b - a for a, b in zip(ts, ts[1:], strict=False)]
+        return [b - a for a, b in itertools.pairwise(ts)]
 
 
 def load_trace_calls(*paths: Path | str) -> list[TraceSession]:

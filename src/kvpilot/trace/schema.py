@@ -25,6 +25,7 @@ import numpy as np
 
 from kvpilot.errors import ConfigError
 from kvpilot.memory.hashing import block_hash, chain_hashes, root_hash
+from kvpilot.trace.loader import load_trace_calls
 
 HASH_BLOCK_TOKENS = 16
 TIMESTAMP_UNITS: dict[str, float] = {"s": 1.0, "ms": 1e-3, "us": 1e-6}
@@ -64,6 +65,8 @@ class HashedCall:
 def detect_trace_format(path: Path | str) -> str:
     """``"text"`` or ``"hashed"``, from the first record of a JSONL file (or folder of them)."""
     p = Path(path)
+    if not p.exists():
+        raise ConfigError(f"trace path {p} does not exist")
     files = sorted(p.glob("*.jsonl")) if p.is_dir() else [p]
     if not files:
         raise ConfigError(f"no .jsonl trace files in {p}")
@@ -198,7 +201,9 @@ def hashed_tokens(
     rest = call.input_length - len(tokens)
     if rest > 0:
         seed = np.uint64((call.line + 1) * 0x2545F4914F6CDD1D % (1 << 64))
-        tail = _mix64(np.full(rest, seed, dtype=np.uint64) ^ _mix64(np.arange(rest, dtype=np.uint64)))
+        tail = _mix64(
+            np.full(rest, seed, dtype=np.uint64) ^ _mix64(np.arange(rest, dtype=np.uint64))
+        )
         tokens += _to_ids(tail | np.uint64(1 << 63), vocab_size)
     return tokens
 
@@ -251,3 +256,44 @@ class CharsPerToken:
         if pad:
             h[-1:] = _mix64(h[-1:] ^ np.uint64(k - pad))
         return _to_ids(h, self.vocab_size)
+
+
+@dataclass(frozen=True, slots=True)
+class TraceInput:
+    """One call, normalised: its tokens, and its text when the trace has it."""
+
+    session_id: str
+    timestamp_s: float
+    tokens: list[int]
+    text: str | None = None
+
+
+def load_trace_inputs(
+    paths: Sequence[Path | str],
+    *,
+    tokenize: Tokenize | None = None,
+    chars_per_token: int = 4,
+    vocab_size: int = 32000,
+    hash_block_tokens: int = HASH_BLOCK_TOKENS,
+    timestamp_unit: str = "s",
+) -> list[TraceInput]:
+    """Calls of a text or hashed trace, tokenized (text: ``tokenize`` or chars-per-token)."""
+    formats = {detect_trace_format(p) for p in paths}
+    if len(formats) > 1:
+        raise ConfigError("do not mix text and hashed traces in one analysis")
+    if formats == {"text"}:
+        tok = tokenize or CharsPerToken(chars_per_token, vocab_size)
+        return [
+            TraceInput(s.session_id, c.timestamp_s, tok(c.input), c.input)
+            for s in load_trace_calls(*paths)
+            for c in s.calls
+        ]
+    calls = load_hashed_trace(*paths, block_tokens=hash_block_tokens, timestamp_unit=timestamp_unit)
+    return [
+        TraceInput(
+            c.session_id if c.session_id is not None else f"call-{c.line}",
+            c.timestamp_s,
+            hashed_tokens(c, vocab_size, hash_block_tokens),
+        )
+        for c in calls
+    ]

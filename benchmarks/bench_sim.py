@@ -1,0 +1,238 @@
+"""Simulator benchmark: speed of one simulated hour, where the time goes, calibration accuracy.
+
+1. One simulated hour of llama-3-70b on 8xH100 (TP=8) serving a closed loop of 112 agent
+   trajectories (tool waits from seconds to minutes, forks, a shared 5k-token prefix), sized
+   so the node is busy but not overloaded. Prints wall and CPU seconds, engine steps,
+   token-steps per second, and the run's serving figures. A run that wedges (work waiting,
+   nothing admitted) is reported as such: skipping its idle time would be a fake speed-up.
+2. Where the wall time goes: a cProfile of a shorter run, grouped into the engine's step
+   parts and the simulator's own code, in microseconds per engine step.
+3. Calibration: `kvpilot calibrate` on the local `tiny` model (CPU), then the same miniswe
+   replay on the real engine and on the simulator; relative errors of throughput and hit
+   rate.
+
+Usage: python benchmarks/bench_sim.py [--quick] [--skip-calibration] [--hours H]
+The last line printed is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import pstats
+import sys
+import time
+from pathlib import Path
+
+from kvpilot.sim.build import SimSetup, run_simulation
+from kvpilot.sim.workload import WorkloadConfig
+
+TRACES = Path(__file__).resolve().parents[2] / "shared/traces/lmcache-agent-trace/miniswe"
+
+BENCH_WORKLOAD = """\
+name: bench-112-agents
+seed: 1
+arrival: {concurrent: 112, ramp_s: 120}
+trajectory:
+  turns: {dist: uniform, low: 4, high: 16}
+  task_tokens: {dist: lognormal, median: 600, sigma: 0.5, max: 4000}
+  observation_tokens: {dist: lognormal, median: 300, sigma: 1.0, max: 8000}
+  output_tokens: {dist: lognormal, median: 120, sigma: 0.6, min: 8, max: 1000}
+  max_context_tokens: 24000
+shared_prefix: {system_tokens: 2000, tool_tokens: 3000, layout: stable}
+tools:
+  bash: {weight: 0.6, wait: {dist: lognormal, median: 3, sigma: 0.8}}
+  tests: {weight: 0.35, wait: {dist: lognormal, median: 40, sigma: 0.6}}
+  human: {weight: 0.05, wait: {dist: lognormal, median: 240, sigma: 0.6}}
+branching:
+  probability: 0.05
+  fork_factor: 3
+  max_depth: 1
+  branch_turns: {dist: uniform, low: 1, high: 3}
+"""
+
+# Profile groups: (label, substrings of "file:function" that belong to it), first match wins.
+GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("engine: _snapshot (per progressed request)", ("engine.py:_snapshot", "engine.py:<genexpr>")),
+    ("engine: Request.finished", ("request.py:finished", "request.py:<genexpr>")),
+    (
+        "engine: add_request / encode",
+        (
+            "engine.py:add_request",
+            "engine.py:encode",
+            "engine.py:_validate_tokens",
+            "engine.py:<listcomp>",
+        ),
+    ),
+    (
+        "engine: _append_token / stop check",
+        (
+            "engine.py:_append_token",
+            "engine.py:_stop_reason",
+            "engine.py:_text",
+            "trajectory.py:append_tokens",
+            "trajectory.py:_sync",
+            "radix.py:as_token_array",
+        ),
+    ),
+    ("engine: scheduler.schedule", ("scheduler.py",)),
+    (
+        "memory: trajectory / radix / pool",
+        ("trajectory.py", "radix.py", "block_pool.py", "manager.py", "hashing.py"),
+    ),
+    ("engine: rest of step/_process", ("engine.py", "session.py", "request.py")),
+    ("sim: SimulatedRunner.execute", ("runner.py", "cost_model.py")),
+    (
+        "sim: event loop, drivers, workload",
+        ("simulator.py", "drivers.py", "workload.py", "distributions.py", "report.py"),
+    ),
+)
+
+
+def bench_setup(hours: float) -> SimSetup:
+    return SimSetup(model="llama-3-70b", node="8xh100", duration_s=3600.0 * hours)
+
+
+def run_hour(hours: float) -> dict[str, float]:
+    workload = WorkloadConfig.from_yaml_text(BENCH_WORKLOAD, "bench workload")
+    cpu0 = time.process_time()
+    wall0 = time.perf_counter()
+    result = run_simulation(bench_setup(hours), workload)
+    wall = time.perf_counter() - wall0
+    cpu = time.process_time() - cpu0
+    s = result.summary()
+    token_steps = result.prefill_tokens + result.decode_tokens
+    per_hour = 1.0 / hours
+    print(f"== {hours:g} simulated hour(s): {workload.name} on {s['node']} ({s['model']})")
+    print(
+        f"wall {wall:.1f} s, CPU {cpu:.1f} s; {result.steps:,} engine steps "
+        f"({result.steps / wall:,.0f}/s wall, {result.steps / cpu:,.0f}/s CPU); "
+        f"{token_steps / wall:,.0f} token-steps/s"
+    )
+    print(
+        f"serving: {s['output_tokens_per_s']:,.0f} output tok/s, "
+        f"{s['trajectories_per_hour']:,.0f} trajectories/h "
+        f"({s['trajectories_started']} started), TTFT p50/p99 "
+        f"{s['ttft_p50_s'] * 1e3:,.0f}/{s['ttft_p99_s'] * 1e3:,.0f} ms, ITL p50/p99 "
+        f"{s['itl_p50_s'] * 1e3:.1f}/{s['itl_p99_s'] * 1e3:.1f} ms, hit rate "
+        f"{s['hit_rate']:.1%}, KV usage mean/max {s['kv_usage_mean']:.0%}/{s['kv_usage_max']:.0%}, "
+        f"preemptions {s['preemptions']}, busy {s['busy_fraction']:.0%}"
+    )
+    if result.stalled or result.blocked_s > 0:
+        print(
+            f"WARNING: the engine wedged ({result.blocked_s:,.0f} s blocked, stalled="
+            f"{result.stalled}); the speed figure skips that idle time and is not comparable"
+        )
+    return {
+        "wall_s_for_1h": wall * per_hour,
+        "cpu_s_for_1h": cpu * per_hour,
+        "sim_s_per_wall_s": result.duration_s / wall,
+        "sim_s_per_cpu_s": result.duration_s / cpu,
+        "steps_per_hour": result.steps * per_hour,
+        "engine_steps_per_s": result.steps / wall,
+        "token_steps_per_s": token_steps / wall,
+        "seq_steps_per_step": token_steps / max(result.steps, 1),
+        "concurrent_trajectories": float(workload.arrival.concurrent or 0),
+        "blocked_s": result.blocked_s,
+        "output_tokens_per_s": s["output_tokens_per_s"],
+        "hit_rate": s["hit_rate"],
+    }
+
+
+def profile_breakdown(minutes: float) -> dict[str, float]:
+    workload = WorkloadConfig.from_yaml_text(BENCH_WORKLOAD, "bench workload")
+    prof = cProfile.Profile()
+    prof.enable()
+    result = run_simulation(bench_setup(minutes / 60.0), workload)
+    prof.disable()
+    stats = pstats.Stats(prof)
+    totals = {label: 0.0 for label, _ in GROUPS}
+    totals["other (numpy, builtins, gc)"] = 0.0
+    entries = stats.stats  # type: ignore[attr-defined]
+    grand = 0.0
+    for (filename, _line, func), (_cc, _nc, tottime, _ct, _callers) in entries.items():
+        key = f"{Path(filename).name}:{func}"
+        grand += tottime
+        for label, parts in GROUPS:
+            if any(p in key for p in parts):
+                totals[label] += tottime
+                break
+        else:
+            totals["other (numpy, builtins, gc)"] += tottime
+    steps = max(result.steps, 1)
+    print(
+        f"== profile of {minutes:g} simulated minutes: {steps:,} steps, "
+        f"{result.decode_tokens / steps:.1f} decodes/step (times under cProfile, ~2x inflated)"
+    )
+    for label, t in sorted(totals.items(), key=lambda kv: -kv[1]):
+        print(f"  {label:44s} {t:7.2f} s  {1e6 * t / steps:8.1f} us/step  {t / grand:6.1%}")
+    top = sorted(entries.items(), key=lambda kv: -kv[1][2])[:12]
+    print("  top functions by own time:")
+    for (filename, line, func), (_cc, nc, tottime, cumtime, _callers) in top:
+        print(
+            f"    {Path(filename).name}:{line}:{func:28s} calls {nc:>9,}  own {tottime:6.2f} s  "
+            f"cum {cumtime:6.2f} s  {1e6 * tottime / steps:7.1f} us/step"
+        )
+    return {f"profile_us_per_step[{k}]": 1e6 * v / steps for k, v in totals.items()}
+
+
+def calibration(quick: bool) -> dict[str, float]:
+    from kvpilot.sim.calibrate import calibrate, check_replay, tokenizer_of
+    from kvpilot.sim.replay import ReplayOptions, load_replay
+
+    if not TRACES.is_dir():
+        print("== calibration skipped: no miniswe traces at", TRACES)
+        return {"calib_throughput_error": float("nan"), "calib_hit_rate_error": float("nan")}
+    t0 = time.perf_counter()
+    profile = calibrate("tiny", kv_blocks=2048, quick=quick)
+    fit_s = time.perf_counter() - t0
+    sessions = load_replay(
+        [TRACES],
+        ReplayOptions(
+            tokenize=tokenizer_of("tiny"),
+            head_tokens=1024,
+            max_call_tokens=2048,
+            max_output_tokens=64,
+            max_sessions=2 if quick else 6,
+            min_calls=3,
+        ),
+    )
+    check = check_replay(profile, sessions, kv_blocks=2048)
+    c = check.to_json()
+    print(
+        f"== calibration of tiny on CPU ({profile.samples} steps in {fit_s:.0f} s, R^2 "
+        f"{profile.r2:.3f}, median step error {profile.median_rel_error:.1%}); replay of "
+        f"{len(sessions)} miniswe sessions, {c['calls']} calls: real {c['real_tokens_per_s']:,.0f} "
+        f"tok/s vs simulated {c['sim_tokens_per_s']:,.0f} (error {c['throughput_error']:.1%}); "
+        f"hit rate real {c['real_hit_rate']:.1%} vs simulated {c['sim_hit_rate']:.1%} "
+        f"(error {c['hit_rate_error']:.1%})"
+    )
+    return {
+        "calib_throughput_error": c["throughput_error"],
+        "calib_hit_rate_error": c["hit_rate_error"],
+        "calib_r2": profile.r2,
+        "calib_median_step_error": profile.median_rel_error,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="6 simulated minutes, quick fit")
+    parser.add_argument("--hours", type=float, default=None, help="simulated hours (default 1)")
+    parser.add_argument("--skip-calibration", action="store_true")
+    parser.add_argument("--skip-profile", action="store_true")
+    args = parser.parse_args()
+    hours = args.hours if args.hours is not None else (0.1 if args.quick else 1.0)
+    figures: dict[str, float] = {}
+    figures.update(run_hour(hours))
+    if not args.skip_profile:
+        figures.update(profile_breakdown(3.0 if args.quick else 10.0))
+    if not args.skip_calibration:
+        figures.update(calibration(args.quick))
+    sys.stdout.flush()
+    print(json.dumps(figures))
+
+
+if __name__ == "__main__":
+    main()

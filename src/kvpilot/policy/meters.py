@@ -1,0 +1,80 @@
+"""Measured inputs of the pause rule: link bandwidths, prefill rate, tool waits.
+
+Each starts from a probe or a default and is refined online from what really happened,
+so the break-even decision uses this machine's figures, not a datasheet's.
+"""
+
+from __future__ import annotations
+
+import bisect
+import statistics
+from collections import defaultdict, deque
+
+
+class RateMeter:
+    """An exponential moving average of a rate (bytes/s, tokens/s) from (amount, seconds)."""
+
+    def __init__(self, initial: float | None = None, alpha: float = 0.3) -> None:
+        self.value = initial
+        self.alpha = alpha
+        self.samples = 0
+
+    def observe(self, amount: float, seconds: float) -> None:
+        if amount <= 0 or seconds <= 0:
+            return
+        rate = amount / seconds
+        self.value = rate if self.value is None else self.value + self.alpha * (rate - self.value)
+        self.samples += 1
+
+    def get(self, default: float) -> float:
+        return self.value if self.value is not None else default
+
+
+class PrefillRateMeter:
+    """Prefill tokens/s by context length (buckets), measured from real steps."""
+
+    BOUNDS = (1024, 4096, 16384, 65536)
+
+    def __init__(self) -> None:
+        self.buckets = [RateMeter() for _ in range(len(self.BOUNDS) + 1)]
+        self.overall = RateMeter()
+
+    def _bucket(self, context_tokens: int) -> int:
+        return bisect.bisect_left(self.BOUNDS, context_tokens)
+
+    def observe(self, prefill_tokens: int, seconds: float, context_tokens: int) -> None:
+        self.buckets[self._bucket(context_tokens)].observe(prefill_tokens, seconds)
+        self.overall.observe(prefill_tokens, seconds)
+
+    def tokens_per_s(self, context_tokens: int, default: float) -> float:
+        meter = self.buckets[self._bucket(context_tokens)]
+        if meter.value is not None:
+            return meter.value
+        return self.overall.get(default)
+
+
+class WaitPredictor:
+    """Predicts a tool's wait from the median of its recent observed waits.
+
+    Falls back to all tools' recent waits, then to ``default_s``.
+    """
+
+    def __init__(self, default_s: float = 1.0, window: int = 64) -> None:
+        self.default_s = default_s
+        self.by_tool: dict[str, deque[float]] = defaultdict(lambda: deque(maxlen=window))
+        self.all: deque[float] = deque(maxlen=window)
+
+    def observe(self, tool: str | None, wait_s: float) -> None:
+        if wait_s < 0:
+            return
+        if tool:
+            self.by_tool[tool].append(wait_s)
+        self.all.append(wait_s)
+
+    def predict(self, tool: str | None) -> tuple[float, str]:
+        """(predicted wait, where it came from)."""
+        if tool and self.by_tool.get(tool):
+            return statistics.median(self.by_tool[tool]), f"median of {tool!r} waits"
+        if self.all:
+            return statistics.median(self.all), "median of all tools' waits"
+        return self.default_s, "default (no waits observed yet)"

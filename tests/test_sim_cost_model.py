@@ -1,0 +1,192 @@
+"""The simulator's cost models: the roofline (spec Napkin Math 0.5) and measured profiles."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvpilot.engine.executor import SeqWork
+from kvpilot.errors import ConfigError
+from kvpilot.geometry import ModelGeometry, resolve_geometry
+from kvpilot.hardware import Accelerator, Node, parse_node
+from kvpilot.sim.cost_model import (
+    PROFILE_FEATURES,
+    BatchShape,
+    CalibratedCostModel,
+    RooflineCostModel,
+    StepProfile,
+    batch_shape,
+    shape_of,
+)
+
+# Napkin Math 0.5: 70B parameters in 16-bit (140 GB), 800 TFLOP/s, 3.0 TB/s, one device.
+NAPKIN_MODEL = ModelGeometry("napkin-70b", 80, 8, 128, 70e9, "bf16", "bf16", 8192, 64)
+NAPKIN_ACCEL = Accelerator("napkin", 160 * 2**30, 3.0e12, 800e12, 64e9, "PCIe", 256 * 10**9)
+NAPKIN_NODE = Node(NAPKIN_ACCEL, 1)
+
+
+def napkin(mfu: float) -> RooflineCostModel:
+    return RooflineCostModel(
+        NAPKIN_MODEL, NAPKIN_NODE, 1, mfu=mfu, hbm_efficiency=1.0, step_overhead_s=0.0
+    )
+
+
+def test_decode_of_32_streams_is_memory_bound_at_46_7_ms() -> None:
+    cost = napkin(0.5).cost(shape_of(decode_seqs=32))
+    assert cost.memory_s == pytest.approx(140e9 / 3e12, rel=1e-3)
+    assert cost.compute_s == pytest.approx(11.2e-3, rel=1e-3)
+    assert cost.bound == "memory"
+    assert cost.time_s == pytest.approx(46.7e-3, rel=2e-3)
+
+
+def test_monolithic_4096_prefill_is_compute_bound_near_1_195_s() -> None:
+    model = napkin(0.6)
+    cost = model.cost(shape_of(prefill_tokens=4096))
+    assert cost.bound == "compute"
+    assert cost.linear_flops / 480e12 == pytest.approx(1.1947, rel=1e-3)
+    assert cost.attention_flops == 4 * 80 * 64 * 128 * (4096 * 4097 // 2)
+    assert cost.time_s == pytest.approx(1.195, rel=0.05)
+    assert cost.time_s > cost.linear_flops / 480e12
+
+
+def test_chunk_of_512_with_32_decodes_takes_158_7_ms() -> None:
+    cost = napkin(0.6).cost(shape_of(prefill_tokens=512, decode_seqs=32))
+    assert cost.bound == "compute"
+    assert cost.linear_flops / 480e12 == pytest.approx(158.7e-3, rel=1e-3)
+    assert cost.time_s == pytest.approx(158.7e-3, rel=0.01)
+
+
+def test_step_time_adds_the_fixed_overhead_and_matches_the_breakdown() -> None:
+    base = napkin(0.5)
+    slow = RooflineCostModel(
+        NAPKIN_MODEL, NAPKIN_NODE, 1, mfu=0.5, hbm_efficiency=1.0, step_overhead_s=0.002
+    )
+    shape = shape_of(prefill_tokens=100, decode_seqs=7, context_tokens=900)
+    assert base.step_time_s(shape) == pytest.approx(base.cost(shape).time_s)
+    assert slow.step_time_s(shape) == pytest.approx(base.step_time_s(shape) + 0.002)
+    assert base.step_time_s(BatchShape()) == 0.0
+
+
+def test_tensor_parallelism_splits_weights_and_compute_per_device() -> None:
+    g = resolve_geometry("llama-3-70b")
+    node = parse_node("8xh100")
+    one = RooflineCostModel(g, node, 1, step_overhead_s=0.0)
+    eight = RooflineCostModel(g, node, 8, step_overhead_s=0.0)
+    decode = shape_of(decode_seqs=16, context_tokens=2000)
+    prefill = shape_of(prefill_tokens=2048)
+    assert eight.step_time_s(decode) == pytest.approx(one.step_time_s(decode) / 8, rel=1e-6)
+    assert eight.step_time_s(prefill) == pytest.approx(one.step_time_s(prefill) / 8, rel=1e-6)
+    assert eight.replicas == 1 and one.replicas == 8
+
+
+def test_long_context_decode_pays_for_reading_its_kv() -> None:
+    model = RooflineCostModel(resolve_geometry("llama-3-8b"), parse_node("h100"), 1)
+    short = model.step_time_s(shape_of(decode_seqs=64, context_tokens=1000))
+    long = model.step_time_s(shape_of(decode_seqs=64, context_tokens=32000))
+    kv = model.kv_bytes_per_token * 64 * 31000
+    assert long - short == pytest.approx(kv / (3.35e12 * 0.8), rel=1e-3)
+
+
+def test_block_copy_reads_and_writes_at_hbm_bandwidth() -> None:
+    model = napkin(0.5)
+    block_bytes = 16 * NAPKIN_MODEL.bytes_per_token(1)
+    assert model.copy_time_s(10) == pytest.approx(2 * 10 * block_bytes / 3.0e12)
+    assert model.host_transfer_time_s(10) == pytest.approx(10 * block_bytes / 64e9)
+
+
+def test_prefill_rate_is_tp_flops_over_two_p() -> None:
+    model = napkin(0.6)
+    assert model.prefill_tokens_per_s() == pytest.approx(480e12 / (2 * 70e9))
+
+
+def test_roofline_rejects_bad_efficiencies_and_tp() -> None:
+    with pytest.raises(ConfigError, match="mfu"):
+        napkin(1.5)
+    with pytest.raises(ConfigError, match="hbm_efficiency"):
+        RooflineCostModel(NAPKIN_MODEL, NAPKIN_NODE, 1, hbm_efficiency=0.0)
+    with pytest.raises(ConfigError, match="divide"):
+        RooflineCostModel(resolve_geometry("llama-3-70b"), parse_node("8xh100"), 3)
+
+
+def test_batch_shape_counts_decodes_chunks_context_and_causal_pairs() -> None:
+    works = [
+        SeqWork(0, [5], start_pos=99, block_table=[0] * 7),
+        SeqWork(1, [1, 2, 3], start_pos=0, block_table=[1]),
+        SeqWork(2, list(range(10)), start_pos=32, block_table=[2, 3, 4]),
+    ]
+    shape = batch_shape(works)
+    assert shape == BatchShape(
+        num_seqs=3,
+        prefill_tokens=13,
+        decode_seqs=1,
+        kv_read_tokens=131,
+        attention_pairs=100 + 6 + (10 * 32 + 55),
+    )
+    assert shape.new_tokens == 14
+    assert shape_of(prefill_tokens=10, decode_seqs=1, context_tokens=32) == BatchShape(
+        2, 10, 1, 64, 10 * 32 + 55 + 33
+    )
+
+
+def _profile(**overrides: object) -> StepProfile:
+    data: dict[str, object] = {
+        "model": "tiny",
+        "device": "cpu",
+        "dtype": "float32",
+        "block_size": 16,
+        "coefficients_s": (1e-3, 2e-5, 3e-4, 1e-7, 1e-9),
+        "copy_block_s": 1e-5,
+        "samples": 100,
+        "r2": 0.99,
+        "median_rel_error": 0.05,
+    }
+    data.update(overrides)
+    return StepProfile(**data)  # type: ignore[arg-type]
+
+
+def test_calibrated_model_is_linear_in_the_shape_features() -> None:
+    model = CalibratedCostModel(_profile())
+    shape = BatchShape(
+        5, prefill_tokens=200, decode_seqs=4, kv_read_tokens=3000, attention_pairs=9e4
+    )
+    expected = 1e-3 + 2e-5 * 200 + 3e-4 * 4 + 1e-7 * 3000 + 1e-9 * 9e4
+    assert model.step_time_s(shape) == pytest.approx(expected)
+    assert model.step_time_s(BatchShape()) == 0.0
+    assert model.copy_time_s(3) == pytest.approx(3e-5)
+    assert model.prefill_tokens_per_s() == pytest.approx(1 / 2e-5)
+
+
+def test_profile_round_trips_through_json(tmp_path) -> None:
+    profile = _profile()
+    path = tmp_path / "p.json"
+    profile.save(path)
+    data = json.loads(path.read_text())
+    assert list(data["coefficients_s"]) == list(PROFILE_FEATURES)
+    assert StepProfile.load(path) == profile
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (lambda d: d.update(kind="other"), "not a kvpilot step profile"),
+        (lambda d: d.update(version=99), "version"),
+        (lambda d: d["coefficients_s"].pop("const"), "lacks"),
+        (lambda d: d.pop("block_size"), "malformed"),
+    ],
+)
+def test_bad_profiles_are_rejected_with_a_reason(tmp_path, mutate, message) -> None:
+    data = _profile().to_json()
+    data["coefficients_s"] = dict(data["coefficients_s"])  # type: ignore[arg-type]
+    mutate(data)
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ConfigError, match=message):
+        StepProfile.load(path)
+
+
+def test_unreadable_profile_names_the_file(tmp_path) -> None:
+    path = tmp_path / "nope.json"
+    path.write_text("{not json")
+    with pytest.raises(ConfigError, match=r"nope\.json"):
+        StepProfile.load(path)

@@ -1,0 +1,179 @@
+"""The synthetic agent workload: YAML config, determinism, shared prefixes, heavy tails."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvpilot.errors import ConfigError
+from kvpilot.sim.distributions import Dist, parse_dist
+from kvpilot.sim.trajectories import WorkloadGenerator
+from kvpilot.sim.workload import DEFAULT_WORKLOAD_YAML, WorkloadConfig
+
+
+def test_default_yaml_is_the_dataclass_default() -> None:
+    assert WorkloadConfig.from_yaml_text(DEFAULT_WORKLOAD_YAML) == WorkloadConfig()
+    assert WorkloadConfig.default() == WorkloadConfig()
+
+
+def test_same_seed_gives_the_same_trajectories_token_for_token() -> None:
+    a = WorkloadGenerator(WorkloadConfig(seed=7))
+    b = WorkloadGenerator(WorkloadConfig(seed=7))
+    for i in (0, 3, 11):
+        sa, sb = a.trajectory(i), b.trajectory(i)
+        assert sa == sb
+        assert a.first_prompt(sa) == b.first_prompt(sb)
+        turn = sa.turns[-1]
+        assert a.content(turn.content_seed, turn.new_tokens) == b.content(
+            turn.content_seed, turn.new_tokens
+        )
+
+
+def test_trajectories_do_not_depend_on_the_order_they_are_asked_for() -> None:
+    g = WorkloadGenerator(WorkloadConfig(seed=3))
+    forward = [g.trajectory(i) for i in range(5)]
+    backward = [g.trajectory(i) for i in reversed(range(5))][::-1]
+    assert forward == backward
+
+
+def test_different_seeds_give_different_workloads() -> None:
+    a = WorkloadGenerator(WorkloadConfig(seed=1))
+    b = WorkloadGenerator(WorkloadConfig(seed=2))
+    assert a.system_ids != b.system_ids
+    assert a.trajectory(0) != b.trajectory(0)
+
+
+def test_shared_prefix_is_identical_ids_and_the_rest_is_not() -> None:
+    config = WorkloadConfig(system_tokens=300, tool_tokens=200)
+    g = WorkloadGenerator(config)
+    p0 = g.first_prompt(g.trajectory(0))
+    p1 = g.first_prompt(g.trajectory(1))
+    assert p0[:500] == p1[:500] == g.shared_ids
+    assert p0[500:520] != p1[500:520]
+    assert all(1 <= t < config.vocab_size for t in p0 + p1)
+
+
+def test_equal_content_seeds_give_equal_ids() -> None:
+    g = WorkloadGenerator(WorkloadConfig())
+    assert g.content(42, 100) == g.content(42, 100)
+    assert g.content(42, 100)[:50] == g.content(42, 50)
+    assert g.content(42, 100) != g.content(43, 100)
+
+
+def test_volatile_token_position_follows_the_zone() -> None:
+    for where, expected in (("head", 0), ("system", 300), ("tools", 500)):
+        config = WorkloadConfig(system_tokens=300, tool_tokens=200, volatile_after=where)
+        assert WorkloadGenerator(config).volatile_position() == expected
+    g = WorkloadGenerator(WorkloadConfig(layout="unstable"))
+    assert g.volatile_token(0, 1) != g.volatile_token(0, 2)
+
+
+def test_observation_lengths_are_heavy_tailed() -> None:
+    rng = random.Random(0)
+    obs = WorkloadConfig().observation_tokens
+    draws = np.array([obs.sample(rng) for _ in range(20000)])
+    p50, p99 = np.percentile(draws, [50, 99])
+    assert p99 / p50 > 10
+    assert draws.mean() > 1.5 * p50
+
+
+def test_pareto_and_lognormal_tails_match_their_parameters() -> None:
+    rng = random.Random(1)
+    pareto = Dist("pareto", 100, 2.0)
+    draws = np.array([pareto.sample(rng) for _ in range(40000)])
+    assert (draws > 1000).mean() == pytest.approx((100 / 1000) ** 2, rel=0.2)
+    logn = Dist("lognormal", 50, 1.0)
+    assert np.median([logn.sample(rng) for _ in range(20000)]) == pytest.approx(50, rel=0.05)
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 1000), index=st.integers(0, 50))
+def test_trajectories_fit_their_context_budget(seed: int, index: int) -> None:
+    config = WorkloadConfig(seed=seed, max_context_tokens=12000)
+    spec = WorkloadGenerator(config).trajectory(index)
+
+    def longest(turns: tuple, used: int) -> int:
+        worst = used
+        for t in turns:
+            used += t.new_tokens + t.output_tokens
+            worst = max(worst, used)
+            if t.fork is not None:
+                worst = max(worst, *(longest(b, used) for b in t.fork.branches))
+        return worst
+
+    assert longest(spec.turns, config.shared_tokens) < config.max_context_tokens
+    assert spec.turns[0].wait_before_s == 0 and spec.turns[0].tool == ""
+    assert all(t.tool in {"bash", "tests", "human"} for t in spec.turns[1:])
+
+
+def test_branching_probability_one_forks_every_turn_up_to_max_depth() -> None:
+    config = WorkloadConfig.from_dict(
+        {
+            "trajectory": {"turns": 3},
+            "branching": {"probability": 1, "fork_factor": 2, "max_depth": 2, "branch_turns": 1},
+        }
+    )
+    spec = WorkloadGenerator(config).trajectory(0)
+    assert all(t.fork is not None and len(t.fork.branches) == 2 for t in spec.turns)
+    inner = spec.turns[0].fork.branches[0][0]  # type: ignore[union-attr]
+    assert inner.fork is not None
+    assert inner.fork.branches[0][0].fork is None  # depth 2 reached
+    assert spec.num_calls() == 3 + 3 * 2 * (1 + 2)
+
+
+def test_yaml_sections_override_the_defaults(tmp_path) -> None:
+    path = tmp_path / "w.yaml"
+    path.write_text(
+        "seed: 5\n"
+        "arrival: {rate_per_s: 0.5, max_open: 10}\n"
+        "trajectory: {turns: 4, output_tokens: {dist: pareto, scale: 50, alpha: 1.5, max: 900}}\n"
+        "shared_prefix: {system_tokens: 100, tool_tokens: 0, layout: unstable}\n"
+        "tools: {review: {weight: 1, wait: {dist: lognormal, median: 120, sigma: 0.5}}}\n"
+    )
+    config = WorkloadConfig.from_yaml(path)
+    assert config.seed == 5
+    assert config.arrival.rate_per_s == 0.5 and config.arrival.concurrent is None
+    assert config.turns == Dist.fixed(4)
+    assert config.output_tokens == Dist("pareto", 50, 1.5, hi=900)
+    assert config.layout == "unstable" and config.shared_tokens == 100
+    assert [t.name for t in config.tools] == ["review"]
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("colour: red", "unknown key"),
+        ("arrival: {concurrent: 4, rate_per_s: 1}", "exactly one"),
+        ("trajectory: {turns: {dist: zipf, a: 1}}", "unknown dist"),
+        ("trajectory: {turns: {dist: uniform, low: 1}}", "missing"),
+        ("trajectory: {turns: {dist: lognormal, median: -1, sigma: 1}}", "invalid"),
+        ("shared_prefix: {layout: wobbly}", "layout"),
+        ("tools: {bash: {weight: 1}}", "needs a wait"),
+        ("branching: {probability: 2}", "probability"),
+        ("seed: 1.5", "integer"),
+        ("[1, 2]", "mapping"),
+        ("arrival: [", "not valid YAML"),
+    ],
+)
+def test_bad_workloads_are_rejected_with_the_key_at_fault(text: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        WorkloadConfig.from_yaml_text(text, "w.yaml")
+
+
+def test_parse_dist_accepts_numbers_and_clamps() -> None:
+    assert parse_dist(3, "x") == Dist.fixed(3)
+    d = parse_dist({"dist": "exponential", "mean": 10, "min": 2, "max": 4}, "x")
+    rng = random.Random(0)
+    assert all(2 <= d.sample(rng) <= 4 for _ in range(200))
+    with pytest.raises(ConfigError, match="x"):
+        parse_dist(True, "x")
+
+
+def test_a_shared_prefix_longer_than_the_context_is_an_error() -> None:
+    config = WorkloadConfig(system_tokens=5000, tool_tokens=0, max_context_tokens=5001)
+    with pytest.raises(ConfigError, match="no room"):
+        WorkloadGenerator(config).trajectory(0)
