@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -30,7 +29,9 @@ from kvpilot.model.checkpoints import make_checkpoint
 from kvpilot.trace import ideal_hit_rate, load_trace_calls
 
 CACHE = Path.home() / ".cache" / "kvpilot" / "bench"
-TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces" / "lmcache-agent-trace" / "miniswe"
+TRACES = (
+    Path(__file__).resolve().parents[2] / "shared" / "traces" / "lmcache-agent-trace" / "miniswe"
+)
 
 
 def llama_100m() -> Path:
@@ -106,15 +107,19 @@ def throughput_section(quick: bool) -> dict[str, float]:
     batches = [1, 8, 32]
     new_tokens = 16 if quick else 32
     print("\n== Throughput (tokens/s; greedy; prompts 32-256 tokens) ==")
-    print(f"{'model':<12}{'batch':>6}{'prefill ours':>14}{'prefill HF':>12}"
-          f"{'decode ours':>13}{'decode HF':>11}{'decode x':>10}")
+    print(
+        f"{'model':<12}{'batch':>6}{'prefill ours':>14}{'prefill HF':>12}"
+        f"{'decode ours':>13}{'decode HF':>11}{'decode x':>10}"
+    )
     for name, path in models.items():
         for batch in batches:
             prompts = mixed_prompts(batch, seed=batch)
             p_ours, d_ours = ours_throughput(path, prompts, new_tokens)
             p_hf, d_hf = hf_throughput(path, prompts, new_tokens)
-            print(f"{name:<12}{batch:>6}{p_ours:>14.0f}{p_hf:>12.0f}"
-                  f"{d_ours:>13.0f}{d_hf:>11.0f}{d_ours / d_hf:>9.2f}x")
+            print(
+                f"{name:<12}{batch:>6}{p_ours:>14.0f}{p_hf:>12.0f}"
+                f"{d_ours:>13.0f}{d_hf:>11.0f}{d_ours / d_hf:>9.2f}x"
+            )
             if name == "llama-100m":
                 figures[f"prefill_tok_s_b{batch}"] = round(p_ours, 1)
                 figures[f"hf_prefill_tok_s_b{batch}"] = round(p_hf, 1)
@@ -133,8 +138,10 @@ def interference(chunked: bool, long_len: int, streams: int) -> tuple[list[float
     )
     rng = random.Random(0)
     params = SamplingParams(max_tokens=10_000, ignore_eos=True)
-    ids = [engine.add_request([rng.randrange(3, 250) for _ in range(64)], params)
-           for _ in range(streams)]
+    ids = [
+        engine.add_request([rng.randrange(3, 250) for _ in range(64)], params)
+        for _ in range(streams)
+    ]
     for _ in range(8):
         engine.step()  # streams are decoding
     long_prompt = [rng.randrange(3, 250) for _ in range(long_len)]
@@ -166,15 +173,19 @@ def pct(xs: list[float], q: float) -> float:
 
 def interference_section(quick: bool) -> dict[str, float]:
     long_len = 2048 if quick else 4096
-    print(f"\n== Prefill-decode interference: 16 streams decoding, a {long_len}-token prompt "
-          "arrives (tiny) ==")
+    print(
+        f"\n== Prefill-decode interference: 16 streams decoding, a {long_len}-token prompt "
+        "arrives (tiny) =="
+    )
     figures: dict[str, float] = {}
     for chunked in (True, False):
         gaps, ttft = interference(chunked, long_len, 16)
         name = "chunked" if chunked else "monolithic"
         p50, p99 = pct(gaps, 0.5) * 1e3, pct(gaps, 0.99) * 1e3
-        print(f"{name:<11} ITL p50 {p50:7.1f} ms  p99 {p99:7.1f} ms   long prompt TTFT "
-              f"{ttft * 1e3:7.1f} ms")
+        print(
+            f"{name:<11} ITL p50 {p50:7.1f} ms  p99 {p99:7.1f} ms   long prompt TTFT "
+            f"{ttft * 1e3:7.1f} ms"
+        )
         figures[f"p50_itl_ms_{name}"] = round(p50, 2)
         figures[f"p99_itl_ms_{name}"] = round(p99, 2)
         figures[f"long_ttft_ms_{name}"] = round(ttft * 1e3, 1)
@@ -197,8 +208,9 @@ def replay(engine: Engine, calls: list[list[int]]) -> tuple[int, int, int]:
 
 
 def replay_section(quick: bool) -> dict[str, float]:
-    engine_on = Engine.from_pretrained("tiny", kv_blocks=24576, max_num_batched_tokens=4096,
-                                       max_prefill_chunk=4096)
+    engine_on = Engine.from_pretrained(
+        "tiny", kv_blocks=24576, max_num_batched_tokens=4096, max_prefill_chunk=4096
+    )
     tokenizer = engine_on.tokenizer
     limit = engine_on.max_model_len - 1
     sessions = load_trace_calls(TRACES)
@@ -211,24 +223,33 @@ def replay_section(quick: bool) -> dict[str, float]:
     ]
     block = engine_on.kv.block_size
     ideal = ideal_hit_rate(calls, block)
-    print(f"\n== Multi-turn replay: {len(sessions)} miniswe sessions, {len(calls)} calls, "
-          f"prompts truncated to {limit} tokens (tiny) ==")
+    print(
+        f"\n== Multi-turn replay: {len(sessions)} miniswe sessions, {len(calls)} calls, "
+        f"prompts truncated to {limit} tokens (tiny) =="
+    )
     t0 = time.perf_counter()
     prompt_tokens, cached, computed_on = replay(engine_on, calls)
     on_s = time.perf_counter() - t0
     hit = cached / prompt_tokens
     off_calls = calls if quick else calls[: len(calls) // 4]
-    engine_off = Engine.from_pretrained("tiny", kv_blocks=24576, enable_prefix_caching=False,
-                                        max_num_batched_tokens=4096, max_prefill_chunk=4096)
+    engine_off = Engine.from_pretrained(
+        "tiny",
+        kv_blocks=24576,
+        enable_prefix_caching=False,
+        max_num_batched_tokens=4096,
+        max_prefill_chunk=4096,
+    )
     t0 = time.perf_counter()
-    off_prompt, _, computed_off_part = replay(engine_off, off_calls)
+    _, _, computed_off_part = replay(engine_off, off_calls)
     off_s = time.perf_counter() - t0
     # Reuse off computes every prompt token; the part we ran confirms it, the rest is counted.
-    computed_off = computed_off_part + sum(len(c) for c in calls[len(off_calls):])
+    computed_off = computed_off_part + sum(len(c) for c in calls[len(off_calls) :])
     print(f"hit rate {hit:.2%}  ideal {ideal:.2%}  gap {100 * (ideal - hit):.2f} points")
-    print(f"prefill tokens computed: reuse on {computed_on:,}  reuse off {computed_off:,} "
-          f"({computed_off / max(computed_on, 1):.1f}x); wall {on_s:.1f} s on vs "
-          f"{off_s:.1f} s for {len(off_calls)} of {len(calls)} calls off")
+    print(
+        f"prefill tokens computed: reuse on {computed_on:,}  reuse off {computed_off:,} "
+        f"({computed_off / max(computed_on, 1):.1f}x); wall {on_s:.1f} s on vs "
+        f"{off_s:.1f} s for {len(off_calls)} of {len(calls)} calls off"
+    )
     return {
         "hit_rate": round(hit, 4),
         "ideal_hit_rate": round(ideal, 4),
@@ -240,8 +261,9 @@ def replay_section(quick: bool) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller run for a smoke test")
-    parser.add_argument("--skip", nargs="*", default=[],
-                        choices=["throughput", "interference", "replay"])
+    parser.add_argument(
+        "--skip", nargs="*", default=[], choices=["throughput", "interference", "replay"]
+    )
     args = parser.parse_args()
     torch.manual_seed(0)
     figures: dict[str, float] = {"torch_threads": torch.get_num_threads()}

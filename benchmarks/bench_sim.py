@@ -25,6 +25,7 @@ import sys
 import time
 from pathlib import Path
 
+from kvpilot.engine.engine import Engine
 from kvpilot.sim.build import SimSetup, run_simulation
 from kvpilot.sim.workload import WorkloadConfig
 
@@ -54,6 +55,21 @@ branching:
 
 # Profile groups: (label, substrings of "file:function" that belong to it), first match wins.
 GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    (
+        "engine: offload manager (poll, held bytes)",
+        (
+            "offload.py",
+            "tier_stats.py",
+            "meters.py",
+            "pause.py",
+            "breakeven.py",
+            "engine.py:_idle_sessions",
+            "engine.py:idle-listcomp",
+            "trajectory.py:num_private_blocks",
+            "radix.py:num_blocks",
+            "radix.py:is_root",
+        ),
+    ),
     ("engine: _snapshot (per progressed request)", ("engine.py:_snapshot", "engine.py:<genexpr>")),
     ("engine: Request.finished", ("request.py:finished", "request.py:<genexpr>")),
     (
@@ -151,8 +167,12 @@ def profile_breakdown(minutes: float) -> dict[str, float]:
     totals["other (numpy, builtins, gc)"] = 0.0
     entries = stats.stats  # type: ignore[attr-defined]
     grand = 0.0
+    idle = getattr(Engine, "_idle_sessions", None)
+    idle_line = idle.__code__.co_firstlineno if idle is not None else -10
     for (filename, _line, func), (_cc, _nc, tottime, _ct, _callers) in entries.items():
         key = f"{Path(filename).name}:{func}"
+        if key == "engine.py:<listcomp>" and 0 <= _line - idle_line <= 3:
+            key = "engine.py:idle-listcomp"  # the list of idle sessions, built every step
         grand += tottime
         for label, parts in GROUPS:
             if any(p in key for p in parts):

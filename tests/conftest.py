@@ -5,6 +5,12 @@ Everything is generated locally (no downloads) once per test session, only when 
 
 from __future__ import annotations
 
+import os
+
+# One intra-op thread: on a 2-core machine torch's default of 2 stalls whenever anything
+# else runs (a server thread, a subprocess), and tests care about results, not speed.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 

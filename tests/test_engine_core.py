@@ -312,3 +312,19 @@ def test_any_workload_matches_oracle_under_pressure(
     for rid, p in zip(ids, prompts, strict=True):
         assert list(engine.pop_output(rid).token_ids) == oracle_generate(p, params)
     assert_all_blocks_free(engine)
+
+
+def test_rewind_reuses_full_blocks_before_the_cut() -> None:
+    engine = make_engine()
+    session = engine.open_session()
+    first = prompt(1, 70)
+    out = session.generate(first, SamplingParams(max_tokens=5))
+    session.rewind(60)  # the client resent the history, differing from token 60 on
+    new = prompt(2, 12)
+    again = session.generate(new, SamplingParams(max_tokens=5))
+    assert again.cached_tokens == 48  # three full blocks before the cut
+    assert list(again.token_ids) == oracle_generate(first[:60] + new, SamplingParams(max_tokens=5))
+    assert len(out.token_ids) == 5
+    with pytest.raises(InvalidRequest):
+        session.rewind(10_000)
+    assert_all_blocks_free(engine)

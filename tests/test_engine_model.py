@@ -141,8 +141,9 @@ def test_n_branches_share_one_prefill(model_path: Path) -> None:
     assert engine.stats.prefill_tokens == len(prompt)
     for branch in out.outputs:
         solo = Engine.from_pretrained(str(model_path), kv_blocks=256)
-        single = SamplingParams(max_tokens=6, temperature=0.8, seed=11 + branch.index,
-                                ignore_eos=True)
+        single = SamplingParams(
+            max_tokens=6, temperature=0.8, seed=11 + branch.index, ignore_eos=True
+        )
         assert list(branch.token_ids) == generate_checked(solo, [prompt], single)[0]
 
 

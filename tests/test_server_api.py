@@ -192,7 +192,8 @@ def test_cached_tokens_grow_across_turns_when_only_new_messages_are_sent(srv: Ha
         assert kvpilot_info(r)["session_id"] == session
     assert cached[0] == 0 and cached[0] < cached[1] < cached[2]
     info = srv.http("GET", f"/v1/sessions/{session}").json()
-    assert info["turns"] == 3 and info["tokens"] > 90 and info["blocks_held"] > 0
+    assert info["turns"] == 3 and info["tokens"] > 90 and info["blocks"]["held_on_device"] > 0
+    assert info["cached_tokens_by_tier"]["device"] == sum(cached)
     assert 0 < info["hit_rate"] < 1
 
 
@@ -268,20 +269,46 @@ def test_a_forked_session_continues_from_its_parent(srv: Harness) -> None:
         assert srv.http("DELETE", f"/v1/sessions/{sid}").json()["deleted"] is True
 
 
-def test_pause_without_a_pause_policy_is_501_with_a_reason(srv: Harness) -> None:
+def test_pause_answers_the_policy_decision_with_its_reason(srv: Harness) -> None:
     session = srv.new_session()
+    chat_turn(srv, session, [{"role": "user", "content": "work " * 10}])
     response = srv.http(
         "POST", f"/v1/sessions/{session}/pause", json={"expected_wait_s": 2.0, "tool": "pytest"}
     )
-    has_pause = srv.on_engine(lambda e: hasattr(e.sessions[session], "pause"))
-    if has_pause:
-        assert response.status_code == 200 and response.json()["applied"] is True
-    else:
-        assert response.status_code == 501
-        assert "pause" in response.json()["error"]["message"]
+    assert response.status_code == 200, response.text
+    body = response.json()
+    # No host or disk tier on this server: the state stays or is dropped, never moved.
+    assert body["action"] in ("retain", "drop") and body["reason"]
+    assert body["tool"] == "pytest" and body["expected_wait_s"] == 2.0
+    info = srv.http("GET", f"/v1/sessions/{session}").json()
+    assert info["paused"] is True and info["last_pause"]["reason"] == body["reason"]
 
 
-def test_a_turn_with_a_tool_wait_hint_reports_what_became_of_it(srv: Harness) -> None:
+def test_pause_without_a_wait_uses_the_predicted_wait(srv: Harness) -> None:
+    session = srv.new_session()
+    chat_turn(srv, session, [{"role": "user", "content": "predict"}])
+    body = srv.http("POST", f"/v1/sessions/{session}/pause", json={"tool": "ls"}).json()
+    assert body["action"] and body["wait_source"] != "hint from the caller"
+    assert body["expected_wait_s"] >= 0
+
+
+def test_pausing_a_session_while_its_turn_runs_is_409(srv: Harness) -> None:
+    session = srv.new_session()
+    stream = srv.client().completions.create(
+        model="tiny",
+        prompt="long turn",
+        max_tokens=250,
+        stream=True,
+        extra_body={"session_id": session, "ignore_eos": True},
+    )
+    next(iter(stream))  # the turn is running
+    response = srv.http("POST", f"/v1/sessions/{session}/pause", json={"expected_wait_s": 1.0})
+    stream.close()
+    assert response.status_code == 409
+    assert response.json()["error"]["code"] == "session_busy"
+
+
+def test_a_turn_with_a_tool_wait_hint_reports_the_pause_decision(srv: Harness) -> None:
     session = srv.new_session()
     r = chat_turn(
         srv,
@@ -291,7 +318,42 @@ def test_a_turn_with_a_tool_wait_hint_reports_what_became_of_it(srv: Harness) ->
         tool="grep",
     )
     pause = kvpilot_info(r)["pause"]
-    assert isinstance(pause["applied"], bool) and (pause["applied"] or pause["reason"])
+    assert pause["action"] in ("retain", "offload_host", "offload_disk", "drop") and pause["reason"]
+    assert pause["tool"] == "grep" and pause["expected_wait_s"] == 1.5
+    info = srv.http("GET", f"/v1/sessions/{session}").json()
+    assert info["paused"] is True and info["last_pause"]["action"] == pause["action"]
+
+
+def test_a_turn_without_a_hint_reports_no_pause(srv: Harness) -> None:
+    session = srv.new_session()
+    r = chat_turn(srv, session, [{"role": "user", "content": "no tool"}])
+    assert kvpilot_info(r)["pause"] is None
+    assert srv.http("GET", f"/v1/sessions/{session}").json()["paused"] is False
+
+
+def test_token_ids_are_returned_when_asked_for(srv: Harness) -> None:
+    session = srv.new_session()
+    extra = {"session_id": session, "return_token_ids": True, "ignore_eos": True}
+    first = srv.client().completions.create(
+        model="tiny", prompt="abc", max_tokens=4, extra_body=extra, **GREEDY
+    )
+    second = srv.client().completions.create(
+        model="tiny",
+        prompt="de",
+        max_tokens=4,
+        extra_body={**extra, "session_history": "append"},
+        **GREEDY,
+    )
+    a, b = kvpilot_info(first), kvpilot_info(second)
+    assert a["prompt_token_ids"] == [97, 98, 99] and len(a["completion_token_ids"][0]) == 4
+    # The second turn's prompt is the whole session: first prompt, its output, the new text.
+    assert b["prompt_token_ids"] == a["prompt_token_ids"] + a["completion_token_ids"][0] + [
+        100,
+        101,
+    ]
+    assert len(b["prompt_token_ids"]) == second.usage.prompt_tokens
+    plain = srv.client().completions.create(model="tiny", prompt="abc", max_tokens=2, **GREEDY)
+    assert kvpilot_info(plain)["prompt_token_ids"] is None
 
 
 def test_a_deleted_session_is_gone(srv: Harness) -> None:
@@ -378,8 +440,14 @@ def test_metrics_parse_and_counters_move(srv: Harness) -> None:
         assert after[name] > before.get(name, 0.0), name
     assert after["kvpilot_inter_token_latency_seconds_count{}"] >= 2
     assert after["kvpilot_kv_blocks{state=total,tier=device}"] == 512
-    assert after["kvpilot_pause_decisions_total{action=offload_host}"] >= 0
-    assert "kvpilot_kv_bytes_moved_total{direction=device_to_host}" in after
+    for action in ("retain", "offload_host", "offload_disk", "drop", "demoted"):
+        assert f"kvpilot_pause_decisions_total{{action={action}}}" in after
+    for direction in ("device_to_host", "host_to_device", "device_to_disk", "disk_to_device"):
+        assert after[f"kvpilot_kv_bytes_moved_total{{direction={direction}}}"] == 0
+    assert after["kvpilot_kv_blocks{state=total,tier=host}"] == 0
+    assert (
+        "kvpilot_prefetch_stalls_total{}" in after and "kvpilot_recomputed_tokens_total{}" in after
+    )
     assert "kvpilot_requests_running{}" in after and "kvpilot_preemptions_total{}" in after
 
 
@@ -416,7 +484,17 @@ BAD_REQUESTS: list[tuple[str, str, Any, int]] = [
     ("messages not a list", "/v1/chat/completions", {"messages": "hello"}, 400),
     ("oversized body", "/v1/completions", {"prompt": "x" * (LIMITS.max_body_bytes + 1)}, 413),
     ("fork n zero", "/v1/sessions/sess-nope/fork", {"n": 0}, 400),
-    ("pause without a wait", "/v1/sessions/sess-nope/pause", {"tool": "x"}, 400),
+    ("negative pause wait", "/v1/sessions/sess-nope/pause", {"expected_wait_s": -1.0}, 400),
+    ("pause wait as a string", "/v1/sessions/sess-nope/pause", {"expected_wait_s": "5"}, 400),
+    ("pause with an unknown field", "/v1/sessions/sess-nope/pause", {"wait": 5}, 400),
+    ("pause of an unknown session", "/v1/sessions/sess-nope/pause", {"expected_wait_s": 1.0}, 404),
+    ("tool wait without a session", "/v1/completions",
+     {"prompt": "x", "expected_tool_wait_s": 1.0}, 400),
+    ("tool without a session", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "x"}], "tool": "pytest"}, 400),
+    ("negative tool wait", "/v1/completions", {"prompt": "x", "expected_tool_wait_s": -2.0}, 400),
+    ("infinite tool wait", "/v1/completions", b'{"prompt": "x", "expected_tool_wait_s": Infinity}',
+     400),
     ("no such route", "/v1/nowhere", {}, 404),
 ]  # fmt: skip
 

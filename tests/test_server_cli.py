@@ -11,6 +11,7 @@ from fastapi.testclient import TestClient
 from typer.testing import CliRunner
 
 from kvpilot.errors import ConfigError
+from kvpilot.policy.pause import POLICY_NAMES
 from kvpilot.server import cli_serve
 from kvpilot.server.cli_serve import ServeOptions, build_app, serve
 
@@ -25,6 +26,11 @@ def test_an_unknown_pause_policy_is_refused() -> None:
         ServeOptions(policy="yolo")
 
 
+@pytest.mark.parametrize("policy", POLICY_NAMES)
+def test_every_engine_pause_policy_is_accepted(policy: str) -> None:
+    assert ServeOptions(policy=policy).policy == policy
+
+
 def test_a_disk_dir_that_cannot_be_created_is_refused(tmp_path: Path) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("")
@@ -32,19 +38,55 @@ def test_a_disk_dir_that_cannot_be_created_is_refused(tmp_path: Path) -> None:
         ServeOptions(disk_dir=blocker / "sub")
 
 
-def test_tier_options_are_reported_by_health(tmp_path: Path) -> None:
+def test_disk_blocks_need_a_disk_dir() -> None:
+    with pytest.raises(ConfigError, match="--disk-dir"):
+        ServeOptions(disk_blocks=64)
+
+
+def test_tier_options_build_an_engine_with_those_tiers(tmp_path: Path) -> None:
     options = ServeOptions(
-        kv_blocks=64, host_memory_bytes=1 << 30, disk_dir=tmp_path / "kv", max_num_seqs=8
+        kv_blocks=64,
+        host_memory_bytes=1 << 22,
+        disk_dir=tmp_path / "kv",
+        disk_blocks=100,
+        policy="offload-disk",
+        max_num_seqs=8,
     )
-    with TestClient(build_app(options)) as client:
+    app = build_app(options)
+    engine = app.state.kvpilot.engine.engine
+    assert engine.config.pause_policy == "offload-disk"
+    block_bytes = engine.offload.block_bytes
+    assert engine.offload.host_pool.num_blocks == (1 << 22) // block_bytes
+    assert engine.offload.disk is not None and engine.offload.disk.num_slots == 100
+    with TestClient(app) as client:
         health = client.get("/health").json()
     assert health["status"] == "ok"
     assert health["kv"]["device"]["blocks"] == 64
-    reported = health["options"]
-    assert reported["host_memory_bytes"] == 1 << 30
-    assert reported["disk_dir"] == str(tmp_path / "kv")
-    assert reported["policy"] == "breakeven"
-    assert reported["tiers_applied"] or "not take them yet" in reported["note"]
+    assert health["kv"]["host"]["blocks"] == (1 << 22) // block_bytes
+    assert health["kv"]["disk"]["blocks"] == 100
+    tiers = health["tiers"]
+    assert tiers["policy"] == "offload-disk"
+    assert tiers["host"]["enabled"] and tiers["host"]["bytes"] <= 1 << 22
+    assert tiers["disk"] == {**tiers["disk"], "enabled": True, "dir": str(tmp_path / "kv")}
+    assert health["options"]["host_memory_bytes"] == 1 << 22
+
+
+def test_without_tier_options_only_the_device_tier_exists() -> None:
+    with TestClient(build_app(ServeOptions(kv_blocks=32))) as client:
+        tiers = client.get("/health").json()["tiers"]
+    assert tiers["policy"] == "breakeven"
+    assert not tiers["host"]["enabled"] and not tiers["disk"]["enabled"]
+
+
+def test_shutdown_closes_the_engine_and_releases_the_disk_tier(tmp_path: Path) -> None:
+    from kvpilot.store import DiskBlockStore
+
+    options = ServeOptions(kv_blocks=32, disk_dir=tmp_path / "kv", disk_blocks=8)
+    app = build_app(options)
+    block_bytes = app.state.kvpilot.engine.engine.offload.block_bytes
+    with TestClient(app), pytest.raises(ConfigError, match="already open"):
+        DiskBlockStore(tmp_path / "kv", 8, block_bytes)
+    DiskBlockStore(tmp_path / "kv", 8, block_bytes).close()  # the server's store let go of it
 
 
 def cli() -> typer.Typer:

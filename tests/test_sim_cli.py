@@ -67,6 +67,7 @@ def test_sim_json_summary_has_the_headline_figures(cli, tmp_path) -> None:
         "recomputed_tokens",
         "bytes_moved",
         "preemptions",
+        "pause_decisions",
     ):
         assert key in data
     assert data["duration_s"] == pytest.approx(60.0)
@@ -103,7 +104,7 @@ def test_sim_table_output_and_figures(cli, tmp_path) -> None:
     ):
         assert (out / name).read_bytes()[:8] == PNG, name
     summary = json.loads((out / "summary.json").read_text())
-    assert [s["label"] for s in summary] == ["default", "no-prefix-cache", "tau-0.8"]
+    assert [s["label"] for s in summary] == ["breakeven", "no-prefix-cache", "tau-0.8"]
 
 
 def test_sim_replays_a_hashed_trace(cli, tmp_path) -> None:

@@ -314,3 +314,32 @@ def test_commit_branches_instead_of_growing_a_node_another_trajectory_locks() ->
     assert shared.depth_tokens == 8 and len(shared.children) == 2
     assert parent.locked_node.parent is shared and child.locked_node.parent is shared
     mgr.check_invariants()
+
+
+def test_truncate_inside_shared_path_keeps_full_blocks_before_the_cut() -> None:
+    mgr = make_manager()
+    traj = mgr.open_trajectory()
+    run_turn(traj, range(20), output=[100, 101, 102])
+    before = list(traj.block_table)
+    traj.truncate(10)  # cut inside block 2 of a committed (shared) path
+    mgr.check_invariants()
+    assert traj.tokens == list(range(10))
+    assert traj.num_computed_tokens == 8 and traj.block_table == before[:2]
+    assert traj.locked_tokens == 8
+    # The next turn reuses the two kept blocks and recomputes from the cut on.
+    cached = run_turn(traj, [7, 7, 7])
+    assert cached == 8
+    mgr.check_invariants()
+
+
+def test_truncate_beyond_the_computed_tokens_keeps_all_kv() -> None:
+    mgr = make_manager()
+    traj = mgr.open_trajectory()
+    run_turn(traj, range(10), output=[50])
+    computed = traj.num_computed_tokens
+    traj.truncate(len(traj.tokens))
+    assert traj.num_computed_tokens == computed
+    with pytest.raises(InvalidRequest):
+        traj.truncate(len(traj.tokens) + 1)
+    traj.close()
+    mgr.check_invariants()

@@ -86,9 +86,9 @@ def sim(
         list[str] | None,
         typer.Option(help="Replay a trace file/folder instead ('miniswe': the shared traces)."),
     ] = None,
-    policy: Annotated[str, typer.Option(help="default, no-prefix-cache, tau-X, breakeven...")] = (
-        "default"
-    ),
+    policy: Annotated[
+        str, typer.Option(help="breakeven, retain, drop, offload-host, ttl, lru, tau-X, ...")
+    ] = "breakeven",
     compare_policies: Annotated[
         bool, typer.Option("--compare-policies", help="Run several policies on the same seed.")
     ] = False,
@@ -101,6 +101,10 @@ def sim(
         int | None, typer.Option(help="KV pool blocks (default: what plan leaves).")
     ] = None,
     reserve_gb: Annotated[float, typer.Option(help="Runtime reserve per device (GB).")] = 2.5,
+    host_kv_gb: Annotated[
+        float | None,
+        typer.Option(help="Host KV tier per device (GB; default half its host memory; 0: none)."),
+    ] = None,
     mfu: Annotated[float, typer.Option(help="Achieved fraction of peak FLOP/s.")] = 0.5,
     hbm_efficiency: Annotated[float, typer.Option(help="Achieved fraction of HBM BW.")] = 0.8,
     step_overhead_ms: Annotated[float, typer.Option(help="Fixed host cost per step.")] = 1.0,
@@ -142,6 +146,7 @@ def sim(
             tp=tp,
             kv_blocks=kv_blocks,
             reserve_bytes_per_device=reserve_gb * 1e9,
+            host_kv_bytes_per_device=None if host_kv_gb is None else host_kv_gb * 1e9,
             mfu=mfu,
             hbm_efficiency=hbm_efficiency,
             step_overhead_s=step_overhead_ms / 1e3,

@@ -1,68 +1,258 @@
-"""`kvpilot demo`: the main job on built-in defaults, as a short readable transcript.
+"""`kvpilot demo`: agent sessions against a real `kvpilot serve`, pausing on tool calls.
 
-1. Sizing: `kvpilot plan` and `kvpilot frag` on their defaults.
-2. The engine on the built-in `tiny` model: one agent session over several turns, with the
-   cached (reused) tokens growing turn by turn; then a 4-way fork sharing one prefix, with
-   the blocks it uses against what four private copies would take.
+After the sizing part (`kvpilot plan`, `kvpilot frag`, run by the CLI), this starts
+``kvpilot serve`` with the built-in ``tiny`` model in a child process: a device KV pool small
+enough that paused sessions compete for it, a host tier, a disk tier in a temporary folder,
+and the break-even pause policy. An agent-style client (`kvpilot.demo_client`) replays a few
+recorded miniswe sessions through it, each turn sent as the new part of the session with
+the coming tool call and its wait. Every turn prints its cached tokens (and the tier they
+came back from) and the pause decision with its reason; a summary compares the hit rate
+with the ideal one and shows what the tiers did. The server is always stopped at the end,
+on an error or Ctrl-C too.
 """
 
 from __future__ import annotations
 
+import tempfile
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from kvpilot.engine import Engine, SamplingParams
+from kvpilot.demo_client import (
+    TIERS,
+    AgentClient,
+    AgentScript,
+    ScriptBudget,
+    TurnResult,
+    ideal_hit_rate_of,
+    load_scripts,
+)
+from kvpilot.errors import ConfigError, KvpilotError
+from kvpilot.server.process import ServeProcess
 
-TURNS = [
-    "You are a coding agent. Fix the failing test in tests/test_parser.py.\n",
-    "Tool result (run_tests): 1 failed: test_parse_empty_string - IndexError\n",
-    "Tool result (open_file parser.py): def parse(s):\n    return s[0]\n",
-    "Tool result (apply_patch): ok. Tool result (run_tests): all 14 passed\n",
-]
+TRACE_DIR = Path("shared/traces/lmcache-agent-trace/miniswe")
+DIRECTIONS = ("device_to_host", "host_to_device", "device_to_disk", "disk_to_device")
 
 
-def run_engine_demo(console: Console, model: str = "tiny") -> dict[str, float]:
-    engine = Engine.from_pretrained(model, kv_blocks=512)
-    block = engine.kv.block_size
-    console.rule(f"[bold]Engine on `{model}`: one agent session, turn by turn")
-    session = engine.open_session()
-    params = SamplingParams(max_tokens=24, temperature=0.7, seed=0)
-    table = Table("turn", "prompt tokens", "cached tokens", "new tokens computed", "generated")
-    for i, text in enumerate(TURNS, start=1):
-        out = session.generate(text, params)
-        table.add_row(
-            str(i),
-            str(out.prompt_tokens),
-            str(out.cached_tokens),
-            str(out.prompt_tokens - out.cached_tokens),
-            str(out.generated_tokens),
-        )
-        engine.check_invariants()
-    console.print(table)
-    console.print(
-        f"Session hit rate {engine.stats.hit_rate:.1%}: each turn computes only its new "
-        "tokens: the rest of its context is reused."
+def default_trace_dir() -> Path | None:
+    """``../shared/traces/...`` next to the repository (from the working directory or from
+    this checkout), if it is there."""
+    repo = Path(__file__).resolve().parents[2]
+    for base in (Path.cwd().parent, repo.parent):
+        if (base / TRACE_DIR).is_dir():
+            return base / TRACE_DIR
+    return None
+
+
+class DemoError(KvpilotError):
+    """The replay failed against a running server; the message ends with the server's log."""
+
+
+@dataclass(frozen=True, slots=True)
+class DemoConfig:
+    budget: ScriptBudget = field(default_factory=ScriptBudget)
+    max_tokens: int = 16
+    kv_blocks: int = 256  # 4,096 tokens of tiny: fewer than three sessions' contexts
+    host_memory: str = "16MiB"  # room for about two paused sessions: the third goes to disk
+    policy: str = "breakeven"
+    trace_dir: Path | None = field(default_factory=default_trace_dir)
+    max_model_len: int = 8192
+
+    def __post_init__(self) -> None:
+        need = self.budget.context_tokens(self.max_tokens)
+        if need >= self.max_model_len:
+            raise ConfigError(
+                f"a session could reach {need} tokens, over the model context of "
+                f"{self.max_model_len}: replay fewer turns or clip them shorter"
+            )
+        if need >= self.kv_blocks * 16:
+            raise ConfigError(f"a session of {need} tokens would not fit {self.kv_blocks} blocks")
+
+
+@dataclass(frozen=True, slots=True)
+class DemoSummary:
+    sessions: int
+    turns: int
+    pauses: int  # turns that ended on a tool call
+    prompt_tokens: int
+    cached_tokens: int
+    cached_by_tier: dict[str, int]
+    hit_rate: float
+    ideal_hit_rate: float
+    decisions: dict[str, int]  # the server's pause decisions by action (and "demoted")
+    bytes_moved: dict[str, int]
+    prefetch_hits: int
+    prefetch_stalls: int
+    recomputed_tokens: int
+    idle_gb_s: float
+    wall_s: float
+    server_exit_code: int | None
+
+
+def run_engine_demo(
+    console: Console, model: str = "tiny", config: DemoConfig | None = None
+) -> DemoSummary:
+    """Serve ``model`` with tiers, replay agent sessions through it, print what happened."""
+    config = config or DemoConfig()
+    scripts, source = load_scripts(config.trace_dir, config.budget)
+    with tempfile.TemporaryDirectory(prefix="kvpilot-demo-") as tmp:
+        args = [
+            *("--model", model, "--kv-blocks", str(config.kv_blocks)),
+            *("--host-memory", config.host_memory, "--disk-dir", str(Path(tmp) / "kv")),
+            *("--policy", config.policy, "--max-model-len", str(config.max_model_len)),
+        ]
+        server = ServeProcess(args, log_path=Path(tmp) / "serve.log")
+        console.rule("[bold]kvpilot serve: tiny with a host tier and a disk tier")
+        console.print(f"$ kvpilot serve {' '.join(args)}  [dim](log: {server.log_path})[/]")
+        start = time.monotonic()
+        with server:
+            tiers = server.health.get("tiers", {})
+            block_size = int(tiers.get("device", {}).get("block_size", 16))
+            console.print(_describe_server(server.base_url, tiers))
+            console.rule(
+                f"[bold]{len(scripts)} agent sessions from {escape(source)} "
+                f"(tool waits x{config.budget.time_scale:g})"
+            )
+            try:
+                results = _replay(console, server.base_url, model, scripts, config)
+                metrics = _scrape(server.base_url)
+            except (openai.OpenAIError, httpx.HTTPError) as exc:
+                raise DemoError(
+                    f"the agent replay failed: {type(exc).__name__}: {exc}\n"
+                    f"last lines of the server's log:\n{server.log_tail()}"
+                ) from exc
+        wall = time.monotonic() - start
+    summary = _summarize(results, metrics, block_size, len(scripts), wall, server.returncode)
+    console.print(_summary_table(summary))
+    return summary
+
+
+def _describe_server(url: str, tiers: dict[str, Any]) -> str:
+    host, disk = tiers.get("host", {}), tiers.get("disk", {})
+    return (
+        f"listening on {url}: device {tiers.get('device', {}).get('blocks')} blocks, "
+        f"host {host.get('blocks')} blocks (link {host.get('link_bw_bytes_s', 0) / 1e9:.1f} GB/s), "
+        f"disk {disk.get('blocks')} blocks ({disk.get('bw_bytes_s', 0) / 1e9:.1f} GB/s), "
+        f"pause policy {tiers.get('policy')}"
     )
 
-    console.rule("[bold]A 4-way fork sharing one prefix (copy-on-write)")
-    used_before = engine.kv.device.num_used
-    branches = session.fork(4)
-    prefix_blocks = -(-session.num_tokens // block)
-    for i, branch in enumerate(branches):
-        branch.generate(f"Branch {i}: try approach #{i}.\n", SamplingParams(max_tokens=8, seed=i))
-    used_after = engine.kv.device.num_used
-    private = 4 * (prefix_blocks + 2)
-    fork_table = Table("", "blocks")
-    fork_table.add_row("shared prefix (one copy)", str(prefix_blocks))
-    fork_table.add_row("blocks added by the fork and 4 branch turns", str(used_after - used_before))
-    fork_table.add_row("4 private copies would need about", str(private))
-    console.print(fork_table)
-    engine.check_invariants()
-    for s in [*branches, session]:
-        s.close()
-    engine.check_invariants()
-    return {
-        "hit_rate": engine.stats.hit_rate,
-        "fork_blocks": float(used_after - used_before),
-        "private_blocks": float(private),
+
+def _replay(
+    console: Console, url: str, model: str, scripts: list[AgentScript], config: DemoConfig
+) -> list[TurnResult]:
+    total = sum(len(s.turns) for s in scripts)
+    columns = (
+        TextColumn("[progress.description]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+    )
+    stop = threading.Event()
+    with (
+        Progress(*columns, console=console) as progress,
+        AgentClient(url, model=model, max_tokens=config.max_tokens, stop=stop) as client,
+    ):
+        task = progress.add_task("turns", total=total)
+
+        def on_turn(r: TurnResult) -> None:
+            progress.console.print(_turn_line(r))
+            progress.advance(task)
+
+        return client.replay(scripts, on_turn)
+
+
+def _turn_line(r: TurnResult) -> str:
+    tiers = " · ".join(f"{t} {r.cached_by_tier[t]:,}" for t in TIERS)
+    line = (
+        f"[cyan]{escape(r.script)}[/] turn {r.turn + 1}: prompt {r.prompt_tokens:,} tokens, "
+        f"cached {r.cached_tokens:,} ({tiers}), {r.latency_s * 1e3:,.0f} ms"
+    )
+    if r.pause is None:
+        return line + " -> [dim]done[/]"
+    return (
+        line + f"\n    -> {escape(r.tool or '')} for {r.tool_wait_s:.2f} s: "
+        f"[bold]{escape(r.pause_action or '')}[/] [dim]{escape(r.pause_reason or '')}[/]"
+    )
+
+
+def _scrape(url: str) -> dict[str, float]:
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            label = next(iter(sample.labels.values()), "")
+            values[f"{sample.name}:{label}" if label else sample.name] = sample.value
+    return values
+
+
+def _summarize(
+    results: list[TurnResult],
+    metrics: dict[str, float],
+    block_size: int,
+    sessions: int,
+    wall_s: float,
+    exit_code: int | None,
+) -> DemoSummary:
+    prompt = sum(r.prompt_tokens for r in results)
+    cached = sum(r.cached_tokens for r in results)
+    by_tier: Counter[str] = Counter()
+    for r in results:
+        by_tier.update(r.cached_by_tier)
+    prefix = "kvpilot_pause_decisions_total:"
+    decisions = {
+        k.removeprefix(prefix): int(v) for k, v in metrics.items() if k.startswith(prefix) and v
     }
+    return DemoSummary(
+        sessions=sessions,
+        turns=len(results),
+        pauses=sum(r.pause is not None for r in results),
+        prompt_tokens=prompt,
+        cached_tokens=cached,
+        cached_by_tier={t: by_tier[t] for t in TIERS},
+        hit_rate=cached / prompt if prompt else 0.0,
+        ideal_hit_rate=ideal_hit_rate_of(results, block_size),
+        decisions=decisions,
+        bytes_moved={
+            d: int(metrics.get(f"kvpilot_kv_bytes_moved_total:{d}", 0)) for d in DIRECTIONS
+        },
+        prefetch_hits=int(metrics.get("kvpilot_prefetch_hits_total", 0)),
+        prefetch_stalls=int(metrics.get("kvpilot_prefetch_stalls_total", 0)),
+        recomputed_tokens=int(metrics.get("kvpilot_recomputed_tokens_total", 0)),
+        idle_gb_s=metrics.get("kvpilot_idle_kv_gb_seconds_total", 0.0),
+        wall_s=wall_s,
+        server_exit_code=exit_code,
+    )
+
+
+def _summary_table(s: DemoSummary) -> Table:
+    table = Table("", "", title="kvpilot demo: summary", title_justify="left")
+    table.add_row("sessions / turns / pauses", f"{s.sessions} / {s.turns} / {s.pauses}")
+    table.add_row("prompt tokens / cached", f"{s.prompt_tokens:,} / {s.cached_tokens:,}")
+    table.add_row(
+        "prefix hit rate", f"{s.hit_rate:.1%} (ideal, infinite cache: {s.ideal_hit_rate:.1%})"
+    )
+    table.add_row(
+        "cached tokens by tier", " · ".join(f"{t} {s.cached_by_tier[t]:,}" for t in TIERS)
+    )
+    decisions = " · ".join(f"{a} {n}" for a, n in sorted(s.decisions.items())) or "none"
+    table.add_row("pause decisions", decisions)
+    table.add_row(
+        "bytes moved", " · ".join(f"{d} {n / 2**20:.1f} MiB" for d, n in s.bytes_moved.items())
+    )
+    table.add_row("prefetch hits / stalls", f"{s.prefetch_hits} / {s.prefetch_stalls}")
+    table.add_row("recomputed tokens", f"{s.recomputed_tokens:,}")
+    table.add_row("idle device KV", f"{s.idle_gb_s:.4f} GB·s")
+    stopped = "cleanly" if s.server_exit_code == 0 else f"with status {s.server_exit_code}"
+    table.add_row("wall time", f"{s.wall_s:.1f} s (server stopped {stopped})")
+    return table

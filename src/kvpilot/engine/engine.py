@@ -294,7 +294,7 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduled batch; returns a snapshot of every request that progressed."""
-        self.offload.poll(self._idle_sessions())
+        self.offload.poll(self._idle_sessions)
         sched = self.scheduler.schedule()
         for seq in sched.starved:
             # Alone in the pool and still no block to grow into: end it rather than spin.
@@ -540,7 +540,7 @@ class Engine:
             # A session paused before a restart: its tokens come back from SQLite, its KV
             # from the disk tier (whatever is still there and verifies) on the next turn.
             traj = self.kv.open_trajectory(salt=stored.salt, tokens=stored.tokens)
-            self.offload.disk_hint.add(traj.traj_id)
+            self.offload.restored(traj)
             salt = stored.salt
         else:
             traj = self.kv.open_trajectory(salt=salt)
@@ -603,7 +603,8 @@ class Engine:
 
     def _reclaim_idle(self, blocks_wanted: int) -> int:
         """Memory pressure: idle sessions' KV gives way (demoted by the offload manager)."""
-        return self.offload.reclaim(self._idle_sessions(), blocks_wanted)
+        del blocks_wanted  # one session at a time; the scheduler asks again if short
+        return self.offload.reclaim(self._idle_sessions())
 
     def _admission_gate(self, seq: Sequence) -> bool:
         return self.offload.ensure_resident(seq.traj)

@@ -119,8 +119,9 @@ class Scheduler:
             and budget > 0
             and not preempted
             and len(self.running) < cfg.max_num_seqs
-            and self.held_usage() < cfg.tau_high
         ):
+            if self.held_usage() >= cfg.tau_high and not self._make_room():
+                break
             seq = self.waiting[i]
             if self.admission_gate is not None and not self.admission_gate(seq):
                 i += 1
@@ -130,8 +131,6 @@ class Scheduler:
             seq.prefix_reused = True
             n = self._chunk(seq, budget)
             if not self._try_allocate(seq, n):
-                # Hold nothing while waiting: locked prefixes would pin blocks others need.
-                seq.traj.release_kv(keep_in_cache=cfg.enable_prefix_caching)
                 break
             if seq.index == 0 and seq.num_preemptions == 0 and not seq.output_token_ids:
                 seq.request.cached_tokens = seq.traj.num_computed_tokens
@@ -150,6 +149,13 @@ class Scheduler:
             scheduled, works, preempted, starved, total, prefill, total - prefill
         )
 
+    def _make_room(self) -> bool:
+        """Usage is at tau_high: idle session state gives way first. With nothing running,
+        admit anyway, so that sessions holding memory can never block their own next turns."""
+        if self.reclaim_idle is not None and self.reclaim_idle(1):
+            return self.held_usage() < self.config.tau_high or not self.running
+        return not self.running
+
     def _chunk(self, seq: Sequence, budget: int) -> int:
         remaining = seq.remaining_tokens
         if not self.config.chunked_prefill:
@@ -157,14 +163,25 @@ class Scheduler:
         return max(1, min(remaining, self.config.max_prefill_chunk, budget))
 
     def _try_allocate(self, seq: Sequence, n: int) -> bool:
-        """Allocate blocks for n more tokens, letting idle session state give way first."""
+        """Allocate blocks for n more tokens; idle sessions, then waiting work, give way first."""
         while True:
             try:
                 seq.traj.allocate(n)
                 return True
             except OutOfBlocks:
-                if self.reclaim_idle is None or not self.reclaim_idle(seq.traj.blocks_needed(n)):
+                wanted = seq.traj.blocks_needed(n)
+                if self.reclaim_idle is not None and self.reclaim_idle(wanted):
+                    continue
+                if not self._release_waiting(seq):
                     return False
+
+    def _release_waiting(self, keep: Sequence) -> bool:
+        """Drop the KV a waiting sequence holds (the latest first): it recomputes or reloads."""
+        for other in reversed(self.waiting):
+            if other is not keep and other.traj.block_table:
+                other.traj.release_kv(keep_in_cache=self.config.enable_prefix_caching)
+                return True
+        return False
 
     def _preempt_until_allocated(self, seq: Sequence, n: int, preempted: list[Sequence]) -> bool:
         """Preempt the most recently admitted sequences until ``seq`` gets its blocks."""

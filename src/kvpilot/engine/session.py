@@ -79,6 +79,15 @@ class Session:
         request_id = self.submit(prompt, params)
         return self.engine.run_until_finished(request_id)
 
+    def rewind(self, num_tokens: int) -> None:
+        """Cut the history back to its first ``num_tokens`` tokens (for a client that resends a
+        history differing from what the session holds). Full blocks before the cut stay cached.
+        """
+        self._check_open()
+        if self.active_request is not None:
+            raise InvalidRequest("cannot rewind a session while a turn is running")
+        self.traj.truncate(num_tokens)
+
     def fork(self, n: int = 1) -> list[Session]:
         """``n`` new sessions continuing from this one's state, sharing its KV."""
         return self.engine.fork_session(self, n)

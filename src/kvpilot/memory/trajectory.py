@@ -239,6 +239,34 @@ class Trajectory:
         self._lock_to(self._radix.root(self.salt))
         self._pool.decref_many(table)
 
+    def truncate(self, num_tokens: int) -> None:
+        """Rewind to the first ``num_tokens`` tokens (a client resent a history that diverged).
+
+        Every full block before the cut stays where it is (held, or in the prefix cache);
+        only the partial block at the cut is recomputed.
+        """
+        self._require_open()
+        if not 0 <= num_tokens <= len(self.tokens):
+            raise InvalidRequest(
+                f"cannot truncate trajectory {self.traj_id} of {len(self.tokens)} tokens "
+                f"to {num_tokens}"
+            )
+        self._sync()
+        if num_tokens < self.num_computed_tokens:
+            bs = self._bs
+            keep = num_tokens // bs
+            if keep * bs < self.locked_tokens:
+                # The cut falls inside the shared path: hold only the blocks before it
+                # (matching splits the node at that block boundary).
+                match = self._radix.match(self._buf[: keep * bs], self.salt, record=False)
+                self._lock_to(match.node)
+            extra = self.block_table[keep:]
+            del self.block_table[keep:]
+            self._pool.decref_many(extra)
+            self.num_computed_tokens = keep * bs
+        del self.tokens[num_tokens:]
+        self._buf = self._buf[:num_tokens]
+
     def close(self) -> None:
         if self.closed:
             return

@@ -26,6 +26,7 @@ from kvpilot.server.metrics import ServerMetrics
 from kvpilot.server.protocol import ApiError, ModelCard, ModelList, error_body
 from kvpilot.server.state import ServerState, get_state, get_tenant
 from kvpilot.server.tenancy import ApiKeys
+from kvpilot.server.tiers import describe_tiers
 
 log = logging.getLogger("kvpilot.server")
 
@@ -41,6 +42,7 @@ def create_app(
     """An app serving ``engine``; its engine thread runs while the app is up (lifespan)."""
     limits = limits or ServerLimits()
     metrics = ServerMetrics()
+    tiers = describe_tiers(engine)  # before the engine thread starts: nobody else touches it
     async_engine = AsyncEngine(
         engine, on_iteration=metrics.observe, on_abort=metrics.requests_aborted.inc
     )
@@ -61,7 +63,7 @@ def create_app(
         try:
             yield
         finally:
-            async_engine.shutdown()
+            async_engine.shutdown()  # also closes the engine (copiers, disk tier)
 
     app = FastAPI(title="kvpilot", lifespan=lifespan)
     app.state.kvpilot = state
@@ -90,6 +92,13 @@ def create_app(
             "kv": {
                 tier: {"blocks": t.num_blocks, "used": t.used_blocks, "cached": t.cached_blocks}
                 for tier, t in snap.tiers.items()
+            },
+            "tiers": tiers,
+            "pauses": {
+                "decisions": snap.pause_decisions,
+                "bytes_moved": snap.bytes_moved,
+                "prefetch_hits": snap.prefetch_hits,
+                "prefetch_stalls": snap.prefetch_stalls,
             },
             "options": s.options,
         }

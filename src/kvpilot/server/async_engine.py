@@ -108,11 +108,16 @@ class AsyncEngine:
         self._thread.start()
 
     def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the engine thread, then close the engine (its copiers and disk tier)."""
         with self._cond:
             self._stopping = True
             self._cond.notify()
         if self._thread.is_alive():
             self._thread.join(timeout)
+        if self._thread.is_alive():
+            log.warning("the engine thread did not stop within %.0f s; not closing it", timeout)
+            return
+        self.engine.close()
 
     @property
     def running(self) -> bool:
@@ -170,8 +175,8 @@ class AsyncEngine:
         engine = self.engine
         while True:
             with self._cond:
-                while not (self._commands or self._stopping or engine.has_unfinished()):
-                    self._cond.wait()
+                while not (self._commands or self._stopping or _has_work(engine)):
+                    self._cond.wait(_idle_wait_s(engine))
                 if self._stopping:
                     break
                 commands = list(self._commands)
@@ -180,7 +185,7 @@ class AsyncEngine:
                 command.run(engine)
             if commands:
                 self._collect_finished(engine)
-            if engine.has_unfinished():
+            if _has_work(engine):
                 try:
                     outputs = engine.step()
                 except Exception as exc:
@@ -235,6 +240,24 @@ class AsyncEngine:
         for loop, items in batches.items():
             with contextlib.suppress(RuntimeError):  # a closed loop: nobody is listening
                 loop.call_soon_threadsafe(_deliver, items)
+
+
+def _has_work(engine: Engine) -> bool:
+    """Requests to run, tier copies to finish, or a pause timer (prefetch, lease) due.
+
+    Copies and timers advance only in ``engine.step``, so an engine with no requests still
+    steps while paused sessions' KV is moving or about to be prefetched.
+    """
+    if engine.has_unfinished() or engine.offload.busy():
+        return True
+    at = engine.offload.next_event_at()
+    return at is not None and at <= engine.clock.now()
+
+
+def _idle_wait_s(engine: Engine) -> float | None:
+    """How long the idle engine thread may sleep: until the next pause timer, or a command."""
+    at = engine.offload.next_event_at()
+    return None if at is None else max(0.0, at - engine.clock.now())
 
 
 def _deliver(items: list[tuple[RequestStream, object]]) -> None:

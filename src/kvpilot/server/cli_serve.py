@@ -13,17 +13,9 @@ import typer
 from fastapi import FastAPI
 
 from kvpilot.errors import ConfigError, ModelLoadError
+from kvpilot.policy.pause import POLICY_NAMES
 from kvpilot.server.limits import ServerLimits
 from kvpilot.server.tenancy import ApiKeys
-
-PAUSE_POLICIES = ("breakeven",)
-
-# EngineConfig fields that take the tier options, once the engine has them.
-_TIER_FIELDS = {
-    "host_memory_bytes": "host_memory_bytes",
-    "disk_dir": "disk_dir",
-    "policy": "pause_policy",
-}
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +26,8 @@ class ServeOptions:
     host_memory_bytes: int | None = None
     disk_dir: Path | None = None
     policy: str = "breakeven"
+    disk_blocks: int | None = None
+    pause_ttl_s: float | None = None
     api_keys: Path | None = None
     max_model_len: int | None = None
     max_num_seqs: int | None = None
@@ -44,10 +38,16 @@ class ServeOptions:
     def __post_init__(self) -> None:
         if self.kv_memory_bytes is not None and self.kv_blocks is not None:
             raise ConfigError("give --kv-memory or --kv-blocks, not both")
-        if self.policy not in PAUSE_POLICIES:
-            raise ConfigError(f"--policy {self.policy!r} is unknown; known: {list(PAUSE_POLICIES)}")
+        if self.policy not in POLICY_NAMES:
+            raise ConfigError(f"--policy {self.policy!r} is unknown; known: {list(POLICY_NAMES)}")
         if self.host_memory_bytes is not None and self.host_memory_bytes <= 0:
             raise ConfigError("--host-memory must be positive")
+        if self.disk_blocks is not None and self.disk_blocks < 1:
+            raise ConfigError("--disk-blocks must be positive")
+        if self.disk_blocks is not None and self.disk_dir is None:
+            raise ConfigError("--disk-blocks sizes the disk tier: give --disk-dir too")
+        if self.pause_ttl_s is not None and self.pause_ttl_s < 0:
+            raise ConfigError("--pause-ttl must not be negative")
         if self.disk_dir is not None:
             try:
                 self.disk_dir.mkdir(parents=True, exist_ok=True)
@@ -57,12 +57,8 @@ class ServeOptions:
                 raise ConfigError(f"--disk-dir {self.disk_dir} is not writable")
 
 
-def build_app(options: ServeOptions) -> FastAPI:
-    """The engine and app ``kvpilot serve`` would run, without starting a server."""
-    from kvpilot.engine import Engine, EngineConfig
-    from kvpilot.server.app import create_app
-
-    keys = ApiKeys.from_file(options.api_keys) if options.api_keys else ApiKeys()
+def engine_options(options: ServeOptions) -> dict[str, Any]:
+    """The `Engine.from_pretrained` options (EngineConfig fields) these serve options mean."""
     given = {
         "kv_blocks": options.kv_blocks,
         "kv_memory_bytes": options.kv_memory_bytes,
@@ -70,30 +66,25 @@ def build_app(options: ServeOptions) -> FastAPI:
         "max_num_seqs": options.max_num_seqs,
         "device": options.device,
         "dtype": options.dtype,
-    }
-    engine_options: dict[str, Any] = {k: v for k, v in given.items() if v is not None}
-    known = {f.name for f in dataclasses.fields(EngineConfig)}
-    tier_values = {
         "host_memory_bytes": options.host_memory_bytes,
-        "disk_dir": str(options.disk_dir) if options.disk_dir else None,
-        "policy": options.policy,
+        "disk_dir": str(options.disk_dir) if options.disk_dir is not None else None,
+        "disk_kv_blocks": options.disk_blocks,
+        "pause_ttl_s": options.pause_ttl_s,
+        "pause_policy": options.policy,
     }
-    report: dict[str, Any] = dict(tier_values)
-    pending = []
-    for name, value in tier_values.items():
-        if _TIER_FIELDS[name] in known:
-            engine_options[_TIER_FIELDS[name]] = value
-        elif value is not None:
-            pending.append(name)
-    report["tiers_applied"] = not pending
-    if pending:
-        report["note"] = (
-            f"{', '.join(pending)} accepted and validated; the engine does not take them yet "
-            "(device tier only until the tier work lands)"
-        )
-    engine = Engine.from_pretrained(options.model, **engine_options)
+    return {k: v for k, v in given.items() if v is not None}
+
+
+def build_app(options: ServeOptions) -> FastAPI:
+    """The engine and app ``kvpilot serve`` would run, without starting a server."""
+    from kvpilot.engine import Engine
+    from kvpilot.server.app import create_app
+
+    keys = ApiKeys.from_file(options.api_keys) if options.api_keys else ApiKeys()
+    given = engine_options(options)
+    engine = Engine.from_pretrained(options.model, **given)
     return create_app(
-        engine, model_name=options.model, limits=options.limits, api_keys=keys, options=report
+        engine, model_name=options.model, limits=options.limits, api_keys=keys, options=given
     )
 
 
@@ -113,7 +104,15 @@ def serve(
     kv_blocks: Annotated[int | None, typer.Option(help="Device KV pool in blocks.")] = None,
     host_memory: Annotated[str | None, typer.Option(help="Host tier size, e.g. 32GiB.")] = None,
     disk_dir: Annotated[Path | None, typer.Option(help="Folder for the disk tier.")] = None,
-    policy: Annotated[str, typer.Option(help="Pause policy.")] = "breakeven",
+    disk_blocks: Annotated[
+        int | None, typer.Option(help="Disk tier capacity in blocks (default 4096).")
+    ] = None,
+    policy: Annotated[
+        str, typer.Option(help=f"Pause policy: {', '.join(POLICY_NAMES)}.")
+    ] = "breakeven",
+    pause_ttl: Annotated[
+        float | None, typer.Option(help="Lease of the ttl policy, seconds (default 10).")
+    ] = None,
     api_keys: Annotated[
         Path | None, typer.Option(help="API keys -> tenants file (JSON, or 'key tenant' lines).")
     ] = None,
@@ -130,7 +129,11 @@ def serve(
     max_sessions_per_tenant: Annotated[int, typer.Option(help="Open sessions per tenant.")] = 256,
     max_body_bytes: Annotated[int, typer.Option(help="Largest request body, bytes.")] = 4 << 20,
 ) -> None:
-    """Serve a model over an OpenAI-compatible HTTP API, with agent sessions and /metrics."""
+    """Serve a model over an OpenAI-compatible HTTP API, with agent sessions and /metrics.
+
+    With --host-memory and/or --disk-dir, paused sessions' KV can move to host memory or
+    disk; --policy decides per pause (breakeven: the spec's break-even rule).
+    """
     import uvicorn
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(name)s: %(message)s")
@@ -141,7 +144,9 @@ def serve(
             kv_blocks=kv_blocks,
             host_memory_bytes=_size(host_memory),
             disk_dir=disk_dir,
+            disk_blocks=disk_blocks,
             policy=policy,
+            pause_ttl_s=pause_ttl,
             api_keys=api_keys,
             max_model_len=max_model_len,
             max_num_seqs=max_num_seqs,

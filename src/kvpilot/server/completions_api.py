@@ -70,6 +70,13 @@ async def _generate(
                 '(POST /v1/sessions {"cache_salt": ...})',
                 param="cache_salt",
             )
+    elif body.pause_hint:
+        raise ApiError(
+            400,
+            "expected_tool_wait_s and tool pause a session when its turn ends: send them "
+            "with a session_id (POST /v1/sessions to create one)",
+            param="expected_tool_wait_s" if body.expected_tool_wait_s is not None else "tool",
+        )
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}"
     add = request_adder(
         request_id=request_id,
@@ -94,10 +101,13 @@ async def _generate(
                 body.session_history,
                 list(session.messages),
                 list(session.opening_tokens),
+                expected_tool_wait_s=body.expected_tool_wait_s,
+                tool=body.tool,
             )
             if session is not None
             else None
         ),
+        keep_prompt_ids=body.return_token_ids,
     )
     stream, submitted = await state.engine.submit(add)
     if session is not None:

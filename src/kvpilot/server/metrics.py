@@ -17,9 +17,12 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from kvpilot.engine import Engine
+from kvpilot.engine.tier_stats import DIRECTIONS
 from kvpilot.memory import Tier
+from kvpilot.policy.breakeven import PauseAction
 
-PAUSE_ACTIONS = ("retain", "offload_host", "offload_disk", "drop")
+# Every pause action, and "demoted": idle KV the engine moved out under memory pressure.
+PAUSE_ACTIONS = (*(str(a) for a in PauseAction), "demoted")
 LATENCY_BUCKETS_S = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
     1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
@@ -48,23 +51,38 @@ class EngineSnapshot:
     prefix_queried_tokens: int = 0
     prefix_hit_tokens: int = 0
     evicted_blocks: int = 0
-    bytes_moved: dict[str, int] = field(default_factory=dict)
     tiers: dict[str, TierUsage] = field(default_factory=dict)
     open_sessions: int = 0
+    # Pauses and tier moves (the engine's OffloadManager.stats).
+    bytes_moved: dict[str, int] = field(default_factory=dict)
+    pause_decisions: dict[str, int] = field(default_factory=dict)
+    prefetch_hits: int = 0
+    prefetch_stalls: int = 0
+    recomputed_tokens: int = 0
+    idle_gb_s: float = 0.0
+    loaded_tokens: dict[str, int] = field(default_factory=dict)
+    disk_misses: int = 0
+    link_bw_bytes_s: float = 0.0
+    disk_bw_bytes_s: float = 0.0
 
 
 def snapshot(engine: Engine) -> EngineSnapshot:
+    """Engine thread only: a consistent copy of the counters a scrape reports."""
     kv = engine.kv
     stats = engine.stats
     radix = kv.radix
+    offload = engine.offload
+    tier_stats = offload.stats
     tiers = {}
-    for tier in Tier:
+    for tier in (Tier.DEVICE, Tier.HOST):
         pool = kv.pools.get(tier)
         if pool is None:
             tiers[tier.value] = TierUsage(0, 0, 0)
         else:
             tiers[tier.value] = TierUsage(pool.num_blocks, pool.num_used, radix.cached_blocks(tier))
-    moved = getattr(getattr(kv, "stats", None), "bytes_moved", None)
+    disk = offload.disk
+    stored = len(disk) if disk is not None else 0
+    tiers[Tier.DISK.value] = TierUsage(disk.num_slots if disk is not None else 0, stored, stored)
     return EngineSnapshot(
         running=len(engine.scheduler.running),
         waiting=len(engine.scheduler.waiting),
@@ -79,9 +97,18 @@ def snapshot(engine: Engine) -> EngineSnapshot:
         prefix_queried_tokens=radix.stats.queried_tokens,
         prefix_hit_tokens=radix.stats.hit_tokens,
         evicted_blocks=radix.stats.evicted_blocks,
-        bytes_moved=dict(moved) if isinstance(moved, dict) else {},
         tiers=tiers,
         open_sessions=len(engine.sessions),
+        bytes_moved=dict(tier_stats.bytes_moved),
+        pause_decisions=dict(tier_stats.decisions),
+        prefetch_hits=tier_stats.prefetch_hits,
+        prefetch_stalls=tier_stats.prefetch_stalls,
+        recomputed_tokens=tier_stats.recomputed_tokens,
+        idle_gb_s=tier_stats.idle_gb_s,
+        loaded_tokens=dict(tier_stats.loaded_tokens),
+        disk_misses=tier_stats.disk_misses,
+        link_bw_bytes_s=offload.mover.link_bw(),
+        disk_bw_bytes_s=offload.mover.disk_bw(),
     )
 
 
@@ -136,12 +163,59 @@ class _EngineCollector(Collector):
         yield _counter(
             "kvpilot_kv_evicted_blocks", "Blocks evicted from the radix cache", s.evicted_blocks
         )
-        moved = CounterMetricFamily(
-            "kvpilot_kv_bytes_moved", "KV bytes moved between tiers", labels=["direction"]
-        )
-        for direction in ("device_to_host", "host_to_device", "host_to_disk", "disk_to_host"):
-            moved.add_metric([direction], s.bytes_moved.get(direction, 0))
-        yield moved
+        yield from _tier_metrics(s)
+
+
+def _tier_metrics(s: EngineSnapshot) -> Iterator[Metric]:
+    moved = CounterMetricFamily(
+        "kvpilot_kv_bytes_moved", "KV bytes moved between tiers", labels=["direction"]
+    )
+    for direction in DIRECTIONS:
+        moved.add_metric([direction], s.bytes_moved.get(direction, 0))
+    yield moved
+    decisions = CounterMetricFamily(
+        "kvpilot_pause_decisions", "Pause decisions by action", labels=["action"]
+    )
+    for action in sorted({*PAUSE_ACTIONS, *s.pause_decisions}):
+        decisions.add_metric([action], s.pause_decisions.get(action, 0))
+    yield decisions
+    loaded = CounterMetricFamily(
+        "kvpilot_tier_loaded_tokens",
+        "Tokens of paused sessions brought back to the device, by the tier they came from",
+        labels=["tier"],
+    )
+    for tier in ("host", "disk"):
+        loaded.add_metric([tier], s.loaded_tokens.get(tier, 0))
+    yield loaded
+    yield _counter(
+        "kvpilot_prefetch_hits", "Resumes whose KV a prefetch had brought back", s.prefetch_hits
+    )
+    yield _counter(
+        "kvpilot_prefetch_stalls",
+        "Requests that waited for their KV to come back from host or disk",
+        s.prefetch_stalls,
+    )
+    yield _counter(
+        "kvpilot_recomputed_tokens",
+        "Tokens whose KV was computed before and had to be recomputed",
+        s.recomputed_tokens,
+    )
+    yield _counter(
+        "kvpilot_idle_kv_gb_seconds",
+        "Device memory-time (GB x s) held by idle sessions' KV",
+        s.idle_gb_s,
+    )
+    yield _counter(
+        "kvpilot_disk_misses", "Blocks expected on disk that were missing or corrupt", s.disk_misses
+    )
+    bandwidth = GaugeMetricFamily(
+        "kvpilot_link_bandwidth_bytes_per_second",
+        "Measured bandwidth the pause policy uses (0: tier absent)",
+        labels=["link"],
+    )
+    bandwidth.add_metric(["device_host"], s.link_bw_bytes_s)
+    bandwidth.add_metric(["disk"], s.disk_bw_bytes_s)
+    yield bandwidth
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
@@ -177,14 +251,6 @@ class ServerMetrics:
             buckets=LATENCY_BUCKETS_S,
             registry=self.registry,
         )
-        self.pause_decisions = Counter(
-            "kvpilot_pause_decisions",
-            "Pause decisions by action",
-            ["action"],
-            registry=self.registry,
-        )
-        for action in PAUSE_ACTIONS:
-            self.pause_decisions.labels(action)
         self.tenant_prompt_tokens = Counter(
             "kvpilot_tenant_prompt_tokens",
             "Prompt tokens per tenant",
@@ -233,9 +299,6 @@ class ServerMetrics:
         label = tenant or "anonymous"
         self.tenant_prompt_tokens.labels(label).inc(prompt_tokens)
         self.tenant_cached_tokens.labels(label).inc(cached_tokens)
-
-    def record_pause(self, action: str) -> None:
-        self.pause_decisions.labels(action).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

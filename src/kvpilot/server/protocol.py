@@ -2,8 +2,9 @@
 
 Extensions ride along as extra body fields (``extra_body`` in the OpenAI client):
 ``session_id``, ``session_history``, ``expected_tool_wait_s``, ``tool``, ``cache_salt``,
-``top_k``, ``ignore_eos``. Responses carry a ``kvpilot`` object (session, prompt
-divergence, per-tier cached tokens, pause outcome) next to the standard fields.
+``top_k``, ``ignore_eos``, ``return_token_ids``. Responses carry a ``kvpilot`` object
+(session, prompt divergence, per-tier cached tokens, the pause decision taken when the turn
+ended, token ids when asked for) next to the standard fields.
 Types are strict: ``"5"`` is not a number and ``true`` is not a token id.
 """
 
@@ -102,9 +103,15 @@ class GenerationRequest(BaseModel):
     user: StrictStr | None = None
     session_id: StrictStr | None = Field(None, min_length=1, max_length=128)
     session_history: SessionHistory = "auto"
-    expected_tool_wait_s: StrictFloat | None = Field(None, ge=0.0)
+    expected_tool_wait_s: StrictFloat | None = Field(None, ge=0.0, allow_inf_nan=False)
     tool: StrictStr | None = Field(None, max_length=256)
     cache_salt: StrictStr | None = Field(None, min_length=1, max_length=256)
+    return_token_ids: StrictBool = False
+
+    @property
+    def pause_hint(self) -> bool:
+        """The turn ends on a tool call: pause the session when it finishes."""
+        return self.expected_tool_wait_s is not None or self.tool is not None
 
     def unsupported_fields(self) -> list[str]:
         extra = self.model_extra or {}
@@ -195,8 +202,10 @@ class ForkSessionRequest(BaseModel):
 
 
 class PauseSessionRequest(BaseModel):
+    """Without ``expected_wait_s`` the engine predicts the wait from the tool's past waits."""
+
     model_config = ConfigDict(extra="forbid")
-    expected_wait_s: StrictFloat = Field(ge=0.0)
+    expected_wait_s: StrictFloat | None = Field(None, ge=0.0, allow_inf_nan=False)
     tool: StrictStr | None = Field(None, max_length=256)
 
 
@@ -223,6 +232,8 @@ class KvpilotInfo(BaseModel):
     cached_tokens_by_tier: dict[str, int]
     usage: Usage | None = None
     pause: dict[str, Any] | None = None
+    prompt_token_ids: list[int] | None = None  # the whole prompt (history included)
+    completion_token_ids: list[list[int]] | None = None  # per choice
 
 
 class CompletionChoice(BaseModel):

@@ -21,9 +21,9 @@ from kvpilot.server.protocol import (
     Usage,
 )
 from kvpilot.server.session_registry import ServerSession
-from kvpilot.server.sessions_api import pause_session
 from kvpilot.server.state import ServerState
 from kvpilot.server.submit import Submitted
+from kvpilot.server.tiers import pause_info
 
 DISCONNECT_POLL_S = 0.5  # how often a waiting response checks that its client is still there
 
@@ -50,33 +50,36 @@ def abort_unfinished(call: Call) -> None:
 
 
 async def finish(call: Call, output: RequestOutput) -> KvpilotInfo:
-    """Bookkeeping once a request is done: tenant counters, the session's record, a pause."""
+    """Bookkeeping once a request is done: tenant counters, the session's record, and the
+    pause the engine decided when a turn that ended on a tool call finished."""
     state = call.state
     state.metrics.record_request(call.tenant, output.prompt_tokens, output.cached_tokens)
     pause = None
     session = call.session
+    completed = bool(output.outputs) and output.outputs[0].finish_reason != "abort"
     if session is not None:
-        session.record_turn(output.prompt_tokens, output.cached_tokens)
-        if call.chat and output.outputs and output.outputs[0].finish_reason != "abort":
+        session.record_turn(output.prompt_tokens, output.cached_tokens, by_tier(output))
+        if call.chat and completed:
             session.messages.append({"role": "assistant", "content": output.outputs[0].text})
-        if call.body.expected_tool_wait_s is not None:
-            pause = await pause_session(
-                state, session, call.body.expected_tool_wait_s, call.body.tool, strict=False
-            )
+        if call.body.pause_hint and completed:
+            sid = session.session_id
+            pause = await state.engine.call(lambda engine: pause_info(engine, sid))
+            if pause is not None:
+                session.last_pause = pause
+    token_ids = call.body.return_token_ids
     return KvpilotInfo(
         session_id=session.session_id if session else None,
         prompt_divergence_index=call.submitted.divergence_index,
         cached_tokens_by_tier=by_tier(output),
         usage=usage_of(output),
         pause=pause,
+        prompt_token_ids=call.submitted.prompt_token_ids if token_ids else None,
+        completion_token_ids=[list(o.token_ids) for o in output.outputs] if token_ids else None,
     )
 
 
 def by_tier(output: RequestOutput) -> dict[str, int]:
-    split = getattr(output, "cached_tokens_by_tier", None)
-    if isinstance(split, dict):
-        return {"device": 0, "host": 0, "disk": 0} | {str(k): int(v) for k, v in split.items()}
-    return {"device": output.cached_tokens, "host": 0, "disk": 0}
+    return {"device": 0, "host": 0, "disk": 0} | dict(output.cached_tokens_by_tier)
 
 
 def usage_of(output: RequestOutput) -> Usage:

@@ -26,6 +26,7 @@ class ServerSession:
     turns: int = 0
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    cached_tokens_by_tier: Counter[str] = field(default_factory=Counter)
     last_divergence_index: int | None = None
     last_pause: dict[str, Any] | None = None
 
@@ -33,10 +34,13 @@ class ServerSession:
     def hit_rate(self) -> float:
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
-    def record_turn(self, prompt_tokens: int, cached_tokens: int) -> None:
+    def record_turn(
+        self, prompt_tokens: int, cached_tokens: int, by_tier: dict[str, int] | None = None
+    ) -> None:
         self.turns += 1
         self.prompt_tokens += prompt_tokens
         self.cached_tokens += cached_tokens
+        self.cached_tokens_by_tier.update(by_tier or {})
 
     def forked(self, session_id: str) -> ServerSession:
         return ServerSession(

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-import enum
-import math
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
@@ -17,15 +14,11 @@ from kvpilot.server.protocol import (
     PauseSessionRequest,
 )
 from kvpilot.server.session_registry import ServerSession
-from kvpilot.server.state import ServerState, get_state, get_tenant
+from kvpilot.server.state import get_state, get_tenant
 from kvpilot.server.tenancy import cache_salt
+from kvpilot.server.tiers import TIERS, pause_info, session_residency
 
 router = APIRouter()
-
-PAUSE_UNSUPPORTED = (
-    "pausing needs the engine's pause policy (Session.pause), which this build of the "
-    "engine does not have yet"
-)
 
 
 def _engine_session(engine: Engine, session_id: str) -> Session:
@@ -70,17 +63,17 @@ async def get_session(
 
     def read(engine: Engine) -> dict[str, Any]:
         session = _engine_session(engine, session_id)
-        traj = session.traj
         return {
             "tokens": session.num_tokens,
-            "computed_tokens": traj.num_computed_tokens,
-            "blocks_held": len(traj.block_table),
-            "private_blocks": getattr(traj, "num_private_blocks", None),
+            "computed_tokens": session.traj.num_computed_tokens,
+            "blocks": session_residency(engine, session),
             "active_request": session.active_request,
-            "pause_supported": hasattr(session, "pause"),
+            "pause": pause_info(engine, session_id),
         }
 
     live = await state.engine.call(read)
+    if live["pause"] is not None:
+        record.last_pause = live["pause"]
     return {
         "id": session_id,
         "object": "session",
@@ -88,8 +81,10 @@ async def get_session(
         "turns": record.turns,
         "prompt_tokens": record.prompt_tokens,
         "cached_tokens": record.cached_tokens,
+        "cached_tokens_by_tier": {t: record.cached_tokens_by_tier[t] for t in TIERS},
         "hit_rate": record.hit_rate,
         "last_divergence_index": record.last_divergence_index,
+        "paused": live.pop("pause") is not None,
         "last_pause": record.last_pause,
         **live,
     }
@@ -122,14 +117,28 @@ async def fork_session(
 @router.post("/v1/sessions/{session_id}/pause")
 async def pause(
     session_id: str,
-    body: PauseSessionRequest,
     request: Request,
+    body: PauseSessionRequest | None = None,
     tenant: str | None = Depends(get_tenant),
 ) -> dict[str, Any]:
+    """The agent went off to a tool: the engine's pause policy decides what becomes of the
+    session's KV (retain, offload to host or disk, drop) and says why."""
     state = get_state(request)
     record = state.sessions.get(session_id, tenant)
-    decision = await pause_session(state, record, body.expected_wait_s, body.tool, strict=True)
-    return {"id": session_id, "object": "session.pause", **(decision or {})}
+    wait = body.expected_wait_s if body else None
+    tool = body.tool if body else None
+
+    def run(engine: Engine) -> dict[str, Any] | None:
+        session = _engine_session(engine, session_id)
+        if session.active_request is not None:
+            raise _busy(session, "pause")
+        session.pause(wait, tool)
+        return pause_info(engine, session_id)
+
+    info = await state.engine.call(run)
+    assert info is not None  # a pause always leaves its record
+    record.last_pause = info
+    return {"id": session_id, "object": "session.pause", **info}
 
 
 @router.delete("/v1/sessions/{session_id}")
@@ -147,54 +156,3 @@ async def delete_session(
     await state.engine.call(close)
     state.sessions.remove(session_id)
     return {"id": session_id, "object": "session.deleted", "deleted": True}
-
-
-async def pause_session(
-    state: ServerState,
-    record: ServerSession,
-    expected_wait_s: float,
-    tool: str | None,
-    *,
-    strict: bool,
-) -> dict[str, Any]:
-    """Ask the engine's pause policy what to do with the session's KV while a tool runs.
-
-    Without a pause policy in the engine: 501 when asked directly (``strict``), and a
-    "not applied" note when the hint came with a turn.
-    """
-
-    def run(engine: Engine) -> Any:
-        session = _engine_session(engine, record.session_id)
-        method = getattr(session, "pause", None)
-        if method is None:
-            return None
-        if session.active_request is not None:
-            raise _busy(session, "pause")
-        return method(expected_wait_s, tool=tool)
-
-    decision = await state.engine.call(run)
-    if decision is None:
-        if strict:
-            raise ApiError(501, PAUSE_UNSUPPORTED, type="not_implemented_error")
-        return {"applied": False, "reason": PAUSE_UNSUPPORTED}
-    info = {"applied": True, "expected_wait_s": expected_wait_s, "tool": tool}
-    info |= (
-        _jsonable(decision) if dataclasses.is_dataclass(decision) else {"decision": str(decision)}
-    )
-    record.last_pause = info
-    action = info.get("action")
-    if isinstance(action, str):
-        state.metrics.record_pause(action)
-    return info
-
-
-def _jsonable(value: Any) -> Any:
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
-    if isinstance(value, enum.Enum):
-        return value.value
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, list | tuple):
-        return [_jsonable(v) for v in value]
-    return value

@@ -35,6 +35,9 @@ class SessionSpec:
     mode: SessionHistory
     conversation: list[dict[str, Any]]  # the chat conversation as of the session's last turn
     opening_tokens: list[int]
+    # Either set: the turn ends on a tool call, and the engine pauses the session then.
+    expected_tool_wait_s: float | None = None
+    tool: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +46,7 @@ class Submitted:
     divergence_index: int | None = None
     conversation: list[dict[str, Any]] | None = None  # the whole conversation of this turn
     opening_tokens: list[int] | None = None  # set when this turn (re)started the trajectory
+    prompt_token_ids: list[int] | None = None  # the whole prompt, when the client asked for it
 
 
 def render_chat(
@@ -97,6 +101,7 @@ def request_adder(
     default_max_tokens: int,
     salt: str | None,
     session: SessionSpec | None,
+    keep_prompt_ids: bool = False,
 ) -> Callable[[Engine], tuple[str, Submitted]]:
     """An engine command that adds the request (or session turn) and describes what it did."""
 
@@ -113,7 +118,9 @@ def request_adder(
         check_fits(engine, len(tokens))
         final = _with_max_tokens(engine, len(tokens))
         engine.add_request(tokens, final, request_id=request_id, salt=salt)
-        return request_id, Submitted(prompt_tokens=len(tokens))
+        return request_id, Submitted(
+            prompt_tokens=len(tokens), prompt_token_ids=tokens if keep_prompt_ids else None
+        )
 
     def _with_max_tokens(engine: Engine, total: int) -> SamplingParams:
         max_tokens = resolve_max_tokens(
@@ -162,12 +169,20 @@ def request_adder(
             engine.close_session(current)
             current = engine.open_session(salt=current.salt, session_id=spec.session_id)
             current.turns = turns
-        engine.add_request(plan.tokens, final, request_id=request_id, session=current)
+        engine.add_request(
+            plan.tokens,
+            final,
+            request_id=request_id,
+            session=current,
+            expected_tool_wait_s=spec.expected_tool_wait_s,
+            tool=spec.tool,
+        )
         return request_id, Submitted(
             prompt_tokens=len(whole),
             divergence_index=plan.divergence_index,
             conversation=conversation,
             opening_tokens=whole if (plan.restart or not history) else None,
+            prompt_token_ids=list(whole) if keep_prompt_ids else None,
         )
 
     return add

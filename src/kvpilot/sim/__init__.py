@@ -23,6 +23,7 @@ from kvpilot.sim.report import SimResult
 from kvpilot.sim.runner import SimulatedRunner
 from kvpilot.sim.simulator import Simulator
 from kvpilot.sim.trajectories import WorkloadGenerator
+from kvpilot.sim.transport import SimulatedTransport
 from kvpilot.sim.workload import WorkloadConfig
 
 __all__ = [
@@ -39,6 +40,7 @@ __all__ = [
     "SimResult",
     "SimSetup",
     "SimulatedRunner",
+    "SimulatedTransport",
     "Simulator",
     "StepCostModel",
     "StepProfile",

@@ -3,8 +3,10 @@
 The simulated engine is a normal `kvpilot.engine.Engine` whose executor is a
 `SimulatedRunner` on a `VirtualClock`. Its KV pool is what `kvpilot plan` leaves on one
 device of the TP group (HBM minus weights minus reserve, in blocks), unless ``kv_blocks``
-overrides it. The simulator runs one model replica (one TP group); a node holding several
-replicas serves that many times the simulated throughput.
+overrides it. Its host tier is a `SimulatedTransport` over each device's host link, holding
+``host_kv_bytes_per_device`` (default: half the host memory the node gives each device; 0:
+no host tier), so pause policies can offload. The simulator runs one model replica (one TP
+group); a node holding several replicas serves that many times the simulated throughput.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from kvpilot.sim.replay import ReplaySession
 from kvpilot.sim.report import SimResult
 from kvpilot.sim.runner import SimulatedRunner
 from kvpilot.sim.simulator import Simulator
+from kvpilot.sim.transport import SimulatedTransport
 from kvpilot.sim.workload import WorkloadConfig
 
 DEFAULT_MAX_MODEL_LEN = 131072
@@ -51,6 +54,7 @@ class SimSetup:
     hbm_efficiency: float = 0.8
     step_overhead_s: float = 1e-3
     profile: Path | None = None
+    host_kv_bytes_per_device: float | None = None
     engine: EngineConfig = dataclasses.field(
         default_factory=lambda: EngineConfig(max_num_seqs=256, max_num_batched_tokens=2048)
     )
@@ -65,6 +69,10 @@ class SimSetup:
             raise ConfigError("--kv-blocks must be positive")
         if self.max_model_len < 2:
             raise ConfigError("--max-model-len must be at least 2")
+        if self.host_kv_bytes_per_device is not None and self.host_kv_bytes_per_device < 0:
+            raise ConfigError("--host-kv-gb must not be negative")
+        if self.engine.disk_dir is not None:
+            raise ConfigError("the simulator has no disk tier: leave disk_dir unset")
 
     def geometry(self) -> ModelGeometry:
         return resolve_geometry(self.model)
@@ -87,6 +95,27 @@ def kv_pool_blocks(
     budget = memory_budget(geometry, node, tp, reserve_bytes_per_device)
     row = block_sizing(budget.pool_bytes_per_device, geometry.bytes_per_token(tp), block_size, 0)
     return row.num_blocks
+
+
+def make_transport(setup: SimSetup, clock: VirtualClock) -> SimulatedTransport | None:
+    """The host tier over each device's host link, or None (no tier, or a measured profile)."""
+    host_bytes = setup.host_kv_bytes_per_device
+    if setup.profile is not None and host_bytes is None:
+        return None
+    node, geometry = setup.parsed_node(), setup.geometry()
+    accel = node.accelerator
+    if host_bytes is None:
+        host_bytes = accel.host_mem_bytes / 2
+    block_bytes = setup.engine.block_size * geometry.bytes_per_token(setup.tp_degree())
+    blocks = int(host_bytes // block_bytes)
+    if blocks < 1:
+        return None
+    return SimulatedTransport(
+        clock,
+        num_host_blocks=blocks,
+        block_bytes=block_bytes,
+        link_bytes_per_s=accel.host_link_bw_bytes_s,
+    )
 
 
 def make_cost_model(setup: SimSetup) -> StepCostModel:
@@ -137,6 +166,7 @@ def build_engine(
         vocab_size=vocab_size,
         max_model_len=setup.max_model_len,
         clock=clock,
+        transport=make_transport(setup, clock),
     )
     return engine, note
 

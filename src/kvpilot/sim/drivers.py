@@ -2,8 +2,11 @@
 
 `AgentDriver` runs each trajectory of a `WorkloadConfig` as an engine session: the first
 turn submits ``system + tools + task``; when a turn finishes, the next one arrives after its
-tool wait and appends its observation (``session.submit``). A fork calls ``session.fork(n)``;
-the branches run their turns while the parent waits, then the parent resumes. With an
+tool wait and appends its observation (``session.submit``). A turn followed by a tool call
+announces it (``expected_tool_wait_s``, ``tool``, per the workload's ``pause_hints``), so the
+engine's pause policy decides what happens to the session's KV during the wait. A fork
+calls ``session.fork(n)``; the branches run their turns while the parent waits, then the
+parent resumes. With an
 unstable layout each call re-sends the whole context with a fresh volatile token in a new
 session (the old one closes; its blocks stay in the prefix cache), so the cache can reuse
 only what precedes the volatile token.
@@ -56,6 +59,7 @@ class AgentDriver:
         self._arrivals = random.Random(f"{config.seed}:arrivals")
         self._unstable = config.layout == "unstable"
         self._volatile_at = self.generator.volatile_position()
+        self._tool_median = {t.name: t.wait_s.median() for t in config.tools}
         self._sim: Simulator | None = None
 
     def counters(self) -> dict[str, int]:
@@ -117,11 +121,28 @@ class AgentDriver:
         actor.calls += 1
         self.calls += 1
         rid = self.sim.submit(
-            prompt, turn.output_tokens, lambda out: self._done(actor, out), session=actor.session
+            prompt,
+            turn.output_tokens,
+            lambda out: self._done(actor, out),
+            session=actor.session,
+            pause=self._pause_hint(actor),
         )
         if rid is None:
             self.truncated += 1
             self._end(actor)
+
+    def _pause_hint(self, actor: _Actor) -> tuple[float | None, str | None] | None:
+        """What the running turn says about the tool call after it (None: no pause follows)."""
+        mode = self.config.pause_hints
+        turns = actor.turns
+        if mode == "none" or turns[actor.turn].fork is not None or actor.turn + 1 >= len(turns):
+            return None
+        nxt = turns[actor.turn + 1]
+        if mode == "exact":
+            return nxt.wait_before_s, nxt.tool
+        if mode == "median":
+            return self._tool_median[nxt.tool], nxt.tool
+        return None, nxt.tool
 
     def _next_call(self, actor: _Actor) -> None:
         turn = actor.turns[actor.turn]

@@ -123,9 +123,13 @@ def plot_policy_comparison(results: Sequence[SimResult], path: Path) -> Path:
         ("output tokens/s", [s["output_tokens_per_s"] for s in summaries]),
         ("TTFT p99 (s)", [s["ttft_p99_s"] for s in summaries]),
         ("prefix hit rate (%)", [100 * r.hit_rate for r in results]),
-        ("recomputed tokens", [r.recomputed_tokens for r in results]),
+        ("GB moved between tiers", [r.bytes_moved / 1e9 for r in results]),
+        (
+            "tokens computed again",
+            [r.recomputed_tokens + r.extra.get("engine_recomputed_tokens", 0) for r in results],
+        ),
     )
-    fig = Figure(figsize=(12, 3.6))
+    fig = Figure(figsize=(15, 3.6))
     axes = fig.subplots(1, len(panels))
     x = np.arange(len(labels))
     for ax, (title, values) in zip(axes, panels, strict=True):

@@ -1,11 +1,10 @@
 """Named serving policies the simulator can run and compare on the same workload and seed.
 
-A policy is a set of `EngineConfig` overrides, plus (for pause policies) the name of the
-engine's pause policy. ``tau-X`` is any admission ceiling, e.g. ``tau-0.8``. Pause policies
-(``retain``, ``offload``, ``drop``, ``breakeven``) are passed to the engine as
-``EngineConfig.pause_policy`` when the engine has that option; until then they run as the
-engine's built-in behaviour (idle sessions keep their KV until a running sequence needs the
-blocks, then the least recently used one gives way) and the report says so.
+A policy is a set of `EngineConfig` overrides. Every pause policy of the engine
+(`kvpilot.policy.pause.POLICY_NAMES`: breakeven, retain, drop, offload-host, offload-disk,
+ttl, lru) is a policy of the same name; ``default`` is the engine's defaults; ``tau-X`` is
+any admission ceiling (e.g. ``tau-0.8``); ``no-prefix-cache`` and ``monolithic`` switch off
+prefix caching and chunked prefill.
 """
 
 from __future__ import annotations
@@ -15,9 +14,9 @@ from dataclasses import dataclass, field
 
 from kvpilot.engine.config import EngineConfig
 from kvpilot.errors import ConfigError
+from kvpilot.policy.pause import POLICY_NAMES
 
-PAUSE_POLICIES = ("retain", "offload", "drop", "breakeven")
-DEFAULT_COMPARISON: tuple[str, ...] = ("default", "no-prefix-cache", "tau-0.7", "tau-0.95")
+DEFAULT_COMPARISON: tuple[str, ...] = ("breakeven", "retain", "offload-host", "drop", "lru")
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,29 +24,26 @@ class SimPolicy:
     name: str
     description: str
     engine_overrides: dict[str, object] = field(default_factory=dict)
-    pause_policy: str | None = None
 
 
 POLICIES: dict[str, SimPolicy] = {
     p.name: p
     for p in (
-        SimPolicy("default", "engine defaults: prefix caching, chunked prefill"),
+        SimPolicy("default", "engine defaults"),
         SimPolicy(
             "no-prefix-cache",
-            "prefix caching off: every turn prefills its whole context",
+            "prefix caching off: no sharing across trajectories",
             {"enable_prefix_caching": False},
         ),
         SimPolicy("monolithic", "prefill in one step, not chunked", {"chunked_prefill": False}),
         *(
-            SimPolicy(name, f"pause policy {name!r} for idle trajectories", pause_policy=name)
-            for name in PAUSE_POLICIES
+            SimPolicy(
+                name, f"pause policy {name!r} for paused trajectories", {"pause_policy": name}
+            )
+            for name in POLICY_NAMES
         ),
     )
 }
-
-
-def pause_policy_supported() -> bool:
-    return "pause_policy" in {f.name for f in dataclasses.fields(EngineConfig)}
 
 
 def resolve_policy(name: str) -> SimPolicy:
@@ -68,18 +64,11 @@ def resolve_policy(name: str) -> SimPolicy:
 
 
 def apply_policy(policy: SimPolicy, config: EngineConfig) -> tuple[EngineConfig, str | None]:
-    """``config`` with the policy's overrides, and a note when part of it cannot apply yet."""
-    overrides = dict(policy.engine_overrides)
+    """``config`` with the policy's overrides, and a note when part of it cannot apply."""
     note = None
-    if policy.pause_policy is not None:
-        if pause_policy_supported():
-            overrides["pause_policy"] = policy.pause_policy
-        else:
-            note = (
-                f"the engine has no pause policies yet: {policy.name!r} runs as its built-in "
-                f"behaviour (idle sessions keep KV until a running sequence needs the blocks)"
-            )
+    if policy.engine_overrides.get("pause_policy") == "offload-disk":
+        note = "the simulator has no disk tier: offload-disk decisions fall back as the engine does"
     try:
-        return dataclasses.replace(config, **overrides), note
+        return dataclasses.replace(config, **policy.engine_overrides), note
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"policy {policy.name!r} does not apply to this engine: {exc}") from exc

@@ -12,11 +12,10 @@ from rich.console import Console
 from rich.table import Table
 
 from kvpilot.engine.engine import Engine
+from kvpilot.memory.tiers import Tier
 from kvpilot.sim.runner import SimulatedRunner
 from kvpilot.sim.simulator import Simulator
 
-# Names an engine may give its tier-traffic counter, newest first (0 until tiers land).
-_BYTES_MOVED_ATTRS = ("bytes_moved", "tier_bytes_moved", "offload_bytes")
 _SPARK = "▁▂▃▄▅▆▇█"
 
 
@@ -110,6 +109,7 @@ class SimResult:
             itl_s=np.asarray(sim.itl_s, dtype=float),
             samples=sim.samples.as_arrays(),
             note=note,
+            extra=tier_figures(engine),
         )
 
     # -- derived figures -----------------------------------------------------------------
@@ -195,12 +195,24 @@ class SimResult:
 
 
 def engine_bytes_moved(engine: Engine) -> int:
-    for holder in (engine.stats, engine.kv):
-        for name in _BYTES_MOVED_ATTRS:
-            value = getattr(holder, name, None)
-            if isinstance(value, int | float):
-                return int(value)
-    return 0
+    """Bytes the engine moved between tiers, all directions."""
+    return int(sum(engine.offload.stats.bytes_moved.values()))
+
+
+def tier_figures(engine: Engine) -> dict[str, Any]:
+    """Pause decisions and tier telemetry of the engine's offload manager."""
+    stats = engine.offload.stats
+    reload = np.asarray(stats.reload_s, dtype=float)
+    return {
+        "pause_decisions": dict(stats.decisions),
+        "bytes_moved_by_direction": dict(stats.bytes_moved),
+        "engine_recomputed_tokens": stats.recomputed_tokens,
+        "prefetch_hits": stats.prefetch_hits,
+        "prefetch_stalls": stats.prefetch_stalls,
+        "idle_gb_s": stats.idle_gb_s,
+        "reload_p50_s": float(np.percentile(reload, 50)) if len(reload) else math.nan,
+        "host_blocks": engine.kv.pools[Tier.HOST].num_blocks if Tier.HOST in engine.kv.pools else 0,
+    }
 
 
 def sparkline(values: Sequence[float] | np.ndarray, width: int = 48, top: float = 1.0) -> str:
@@ -266,11 +278,21 @@ def print_result(console: Console, r: SimResult) -> None:
         ),
         ("KV usage over time", sparkline(r.samples.get("kv_usage", []))),
         ("prefix hit rate", f"{r.hit_rate:.1%} (radix {r.radix_hit_rate:.1%})"),
-        ("recomputed tokens", f"{_si(r.recomputed_tokens)} ({r.preemptions:,} preemptions)"),
+        (
+            "recomputed tokens",
+            f"{_si(r.recomputed_tokens)} by {r.preemptions:,} preemptions; "
+            f"{_si(r.extra.get('engine_recomputed_tokens', 0))} computed again after their KV "
+            f"was dropped or evicted",
+        ),
         (
             "bytes moved",
-            f"{_si(r.bytes_moved)}B between tiers; "
-            f"{r.fork_copied_blocks:,} fork tail blocks copied",
+            f"{_si(r.bytes_moved)}B between tiers ({r.extra.get('host_blocks', 0):,} host "
+            f"blocks); {r.fork_copied_blocks:,} fork tail blocks copied",
+        ),
+        (
+            "pause decisions",
+            ", ".join(f"{k} {v:,}" for k, v in sorted(r.extra.get("pause_decisions", {}).items()))
+            or "none",
         ),
         (
             "turns",
@@ -295,7 +317,7 @@ def print_result(console: Console, r: SimResult) -> None:
 
 def print_comparison(console: Console, results: Sequence[SimResult]) -> None:
     table = Table(title="policy comparison (same workload, same seed)", title_justify="left")
-    for col in (
+    columns = (
         "policy",
         "out tok/s",
         "traj/h",
@@ -303,13 +325,16 @@ def print_comparison(console: Console, results: Sequence[SimResult]) -> None:
         "TTFT p99",
         "ITL p99",
         "hit rate",
-        "KV max",
-        "preempt",
+        "KV held",
+        "moved",
         "recomputed",
-    ):
-        table.add_column(col, justify="right" if col != "policy" else "left")
+        "blocked",
+    )
+    for col in columns:
+        table.add_column(col, justify="left" if col == "policy" else "right")
     for r in results:
         s = r.summary()
+        recomputed = r.recomputed_tokens + int(r.extra.get("engine_recomputed_tokens", 0))
         table.add_row(
             r.label,
             f"{s['output_tokens_per_s']:,.0f}",
@@ -318,9 +343,10 @@ def print_comparison(console: Console, results: Sequence[SimResult]) -> None:
             _ms(s["ttft_p99_s"]),
             _ms(s["itl_p99_s"]),
             f"{r.hit_rate:.1%}",
-            f"{s['kv_usage_max']:.0%}",
-            f"{r.preemptions:,}",
-            _si(r.recomputed_tokens),
+            f"{s['kv_held_mean']:.0%}",
+            f"{_si(r.bytes_moved)}B",
+            _si(recomputed),
+            f"{r.blocked_s:,.0f} s" + (" stall" if r.stalled else ""),
         )
     console.print(table)
     for r in results:

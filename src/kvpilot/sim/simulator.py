@@ -6,9 +6,10 @@ engine) it is slept. Every iteration:
 
 1. fire the workload events that are due (turn arrivals after tool waits, forks, new
    trajectories); they submit requests to the engine;
-2. run one engine step if the engine has work; hand finished requests back to the workload;
+2. run one engine step if the engine has work, tier copies in flight, or a pause timer due
+   (prefetch, lease expiry); hand finished requests back to the workload;
 3. when nothing could run (idle, or every waiting request blocked by admission), move to the
-   next event; with no event left, stop;
+   next workload event or engine timer; with neither left, stop;
 4. sample telemetry every ``sample_interval_s``.
 
 Time during which the engine holds unfinished work yet can schedule none of it (admission
@@ -149,16 +150,21 @@ class Simulator:
         *,
         session: Session | None = None,
         arrival_s: float | None = None,
+        pause: tuple[float | None, str | None] | None = None,
     ) -> str | None:
         """Send a request (a session's next turn when ``session`` is given).
 
-        Returns its id, or None when the engine rejects it (e.g. longer than the KV pool);
+        ``pause`` is the (expected tool wait, tool) the turn announces: the session pauses
+        when it ends. Returns the request id, or None when the engine rejects it (e.g.
+        longer than the KV pool);
         ``arrival_s`` is when it was meant to arrive, for TTFT (default: the time of the
         event being fired, which may be a step earlier than now).
         """
         params = SamplingParams(max_tokens=max(1, max_tokens), ignore_eos=True)
         try:
-            if session is not None:
+            if session is not None and pause is not None:
+                rid = session.submit(prompt, params, expected_tool_wait_s=pause[0], tool=pause[1])
+            elif session is not None:
                 rid = session.submit(prompt, params)
             else:
                 rid = self.engine.add_request(prompt, params)
@@ -174,6 +180,7 @@ class Simulator:
 
     def run(self, driver: Driver) -> None:
         engine = self.engine
+        offload = engine.offload
         clock_now, t0 = self.clock.now, self.t0
         has_work, step = engine.has_unfinished, engine.step
         end = self.duration_s
@@ -195,20 +202,28 @@ class Simulator:
                 next_sample = now + self.sample_interval_s
                 if self.on_progress is not None:
                     self.on_progress(now)
-            if has_work():
+            run = has_work() or offload.busy()
+            if not run:  # an idle engine still has its pause timers (prefetch, leases)
+                timer = offload.next_event_at()
+                run = timer is not None and timer - t0 <= now
+            if run:
                 steps = engine.stats.steps
                 outputs = step()
                 for out in outputs:
                     if out.finished:
                         self._complete(out)
-                if engine.stats.steps != steps or outputs:
+                if engine.stats.steps != steps or outputs or clock_now() - t0 != now:
                     continue
+            timer = offload.next_event_at()
             # Nothing ran: idle, or every waiting request is held back by admission.
             blocked = has_work()
-            if not events:
+            wake = [events[0][0]] if events else []
+            if timer is not None:
+                wake.append(timer - t0)
+            if not wake:
                 self.stalled = blocked
                 break
-            target = min(events[0][0], end)
+            target = min(*wake, end)
             if blocked:
                 self.blocked_s += max(0.0, target - now)
             self._wait_until(target)

@@ -27,6 +27,9 @@ default). Quantities are numbers or distributions (see `kvpilot.sim.distribution
       bash:   {weight: 0.6,  wait: {dist: lognormal, median: 2, sigma: 0.8}}
       tests:  {weight: 0.35, wait: {dist: lognormal, median: 30, sigma: 0.6}}
       human:  {weight: 0.05, wait: {dist: lognormal, median: 180, sigma: 0.7}}
+    pause_hints: median            # what a turn tells the engine about the tool call after it:
+                                   #   median (tool + its median wait), exact (the actual wait),
+                                   #   tool (name only: the engine predicts), none (no pause)
     branching:
       probability: 0.05            # chance a turn forks its trajectory (while depth allows)
       fork_factor: 3               # branches per fork (session.fork(n))
@@ -54,6 +57,7 @@ from kvpilot.errors import ConfigError
 from kvpilot.sim.distributions import Dist, parse_dist
 
 LAYOUTS = ("stable", "unstable")
+PAUSE_HINTS = ("median", "exact", "tool", "none")
 VOLATILE_ZONES = ("head", "system", "tools")
 
 DEFAULT_WORKLOAD_YAML = """\
@@ -78,6 +82,7 @@ tools:
   bash: {weight: 0.6, wait: {dist: lognormal, median: 2, sigma: 0.8}}
   tests: {weight: 0.35, wait: {dist: lognormal, median: 30, sigma: 0.6}}
   human: {weight: 0.05, wait: {dist: lognormal, median: 180, sigma: 0.7}}
+pause_hints: median
 branching:
   probability: 0.05
   fork_factor: 3
@@ -152,6 +157,7 @@ class WorkloadConfig:
     branching: BranchingConfig = field(
         default_factory=lambda: BranchingConfig(0.05, 3, 1, Dist("uniform", 1, 3))
     )
+    pause_hints: str = "median"
 
     def __post_init__(self) -> None:
         if self.vocab_size < 16:
@@ -163,6 +169,8 @@ class WorkloadConfig:
                 f"shared_prefix.volatile_after must be one of {VOLATILE_ZONES}, "
                 f"got {self.volatile_after!r}"
             )
+        if self.pause_hints not in PAUSE_HINTS:
+            raise ConfigError(f"pause_hints must be one of {PAUSE_HINTS}, got {self.pause_hints!r}")
         if self.system_tokens < 0 or self.tool_tokens < 0:
             raise ConfigError("shared_prefix token counts must not be negative")
         if self.max_context_tokens < 2:
@@ -224,7 +232,16 @@ def _int(value: Any, where: str) -> int:
 def _from_dict(data: Any) -> WorkloadConfig:
     if not isinstance(data, dict):
         raise ConfigError(f"a workload is a mapping of sections, got {type(data).__name__}")
-    top = {"name", "seed", "vocab_size", "arrival", "trajectory", "shared_prefix", "tools"}
+    top = {
+        "name",
+        "seed",
+        "vocab_size",
+        "arrival",
+        "trajectory",
+        "shared_prefix",
+        "tools",
+        "pause_hints",
+    }
     unknown = sorted(set(data) - top - {"branching"})
     if unknown:
         raise ConfigError(f"unknown key(s) {unknown}; known: {sorted(top | {'branching'})}")
@@ -236,6 +253,8 @@ def _from_dict(data: Any) -> WorkloadConfig:
         kw["seed"] = _int(data["seed"], "seed")
     if "vocab_size" in data:
         kw["vocab_size"] = _int(data["vocab_size"], "vocab_size")
+    if "pause_hints" in data:
+        kw["pause_hints"] = str(data["pause_hints"])
 
     arr = _section(data, "arrival", {"concurrent", "rate_per_s", "ramp_s", "max_open"})
     if arr:

@@ -1,0 +1,87 @@
+"""`SimulatedTransport`: the engine's device<->host tier on virtual time.
+
+Copies take ``blocks * block_bytes / link_bytes_per_s`` on a full-duplex link: one queue per
+direction, so a copy starts when the previous one in its direction is done. A copy completes
+in the background (`done` turns true once the clock passes its finish); a caller that waits
+on an unfinished copy (``result``) advances the clock to its finish, which is the stall the
+real engine would see. ``block_bytes`` and the link are per device of the TP group: every
+device moves its share of each block over its own host link at the same time.
+
+The simulator has no disk tier (it would write real files); the engine only asks for disk
+copies when ``disk_dir`` is configured, which the simulator never does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from kvpilot.engine.clock import VirtualClock
+from kvpilot.errors import ConfigError
+
+
+class SimulatedTransfer:
+    """A copy on the virtual clock (satisfies `kvpilot.engine.executor.Transfer`)."""
+
+    __slots__ = ("clock", "finish_s", "seconds")
+
+    def __init__(self, clock: VirtualClock, finish_s: float, seconds: float) -> None:
+        self.clock = clock
+        self.finish_s = finish_s
+        self.seconds = seconds
+
+    def done(self) -> bool:
+        return self.clock.now() >= self.finish_s
+
+    def result(self, timeout: float | None = None) -> Any:
+        self.clock.advance_to(self.finish_s)
+        return self.seconds
+
+
+class SimulatedTransport:
+    """Implements `kvpilot.engine.executor.TierTransport` for the host tier only."""
+
+    def __init__(
+        self,
+        clock: VirtualClock,
+        *,
+        num_host_blocks: int,
+        block_bytes: int,
+        link_bytes_per_s: float,
+    ) -> None:
+        if num_host_blocks < 0 or block_bytes < 1 or link_bytes_per_s <= 0:
+            raise ConfigError(
+                "a simulated host tier needs num_host_blocks >= 0, block_bytes >= 1 and a "
+                "positive link bandwidth"
+            )
+        self.clock = clock
+        self.num_host_blocks = num_host_blocks
+        self.block_bytes = block_bytes
+        self.link_bytes_per_s = link_bytes_per_s
+        self.bytes_out = 0
+        self.bytes_in = 0
+        self._free_at = {"out": 0.0, "in": 0.0}
+
+    def _copy(self, direction: str, blocks: int) -> SimulatedTransfer:
+        nbytes = blocks * self.block_bytes
+        seconds = nbytes / self.link_bytes_per_s
+        start = max(self.clock.now(), self._free_at[direction])
+        finish = start + seconds
+        self._free_at[direction] = finish
+        if direction == "out":
+            self.bytes_out += nbytes
+        else:
+            self.bytes_in += nbytes
+        return SimulatedTransfer(self.clock, finish, seconds)
+
+    def swap_out(self, pairs: Sequence[tuple[int, int]]) -> SimulatedTransfer:
+        return self._copy("out", len(pairs))
+
+    def swap_in(self, pairs: Sequence[tuple[int, int]]) -> SimulatedTransfer:
+        return self._copy("in", len(pairs))
+
+    def read_device(self, blocks: Sequence[int]) -> SimulatedTransfer:
+        raise ConfigError("the simulator has no disk tier: leave disk_dir unset")
+
+    def write_device(self, blocks: Sequence[int], data: Sequence[bytes]) -> SimulatedTransfer:
+        raise ConfigError("the simulator has no disk tier: leave disk_dir unset")
