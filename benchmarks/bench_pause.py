@@ -178,8 +178,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     setups = {
         # model: (sessions, max tokens per call, device blocks)
-        "tiny": (8 if args.quick else 16, 4096 if args.quick else 8000, 600 if args.quick else 1200),
-        "llama-100m": (4 if args.quick else 6, 1024 if args.quick else 2048, 200),
+        "tiny": (8, 4096, 600) if args.quick else (16, 8000, 1200),
+        "llama-100m": (4, 1024, 200) if args.quick else (6, 2048, 200),
     }
     report: dict[str, dict] = {}
     for name in args.models.split(","):

@@ -163,9 +163,15 @@ def demo(
 
 
 def _register_optional_commands() -> None:
+    from kvpilot.cli_sim import calibrate, sim, trace_analyze
     from kvpilot.server.cli_serve import serve
 
     app.command("serve")(serve)
+    app.command()(sim)
+    app.command()(calibrate)
+    trace_app = typer.Typer(no_args_is_help=True, help="Diagnose agent traces.")
+    trace_app.command("analyze")(trace_analyze)
+    app.add_typer(trace_app, name="trace")
 
 
 _register_optional_commands()

@@ -7,6 +7,7 @@ simulator drives this same loop with a simulated executor on virtual time.
 from __future__ import annotations
 
 import itertools
+import math
 import random
 from collections.abc import Iterable
 from collections.abc import Sequence as Seq
@@ -249,8 +250,10 @@ class Engine:
         if expected_tool_wait_s is not None or tool is not None:
             if session is None:
                 raise InvalidRequest("expected_tool_wait_s and tool need a session")
-            if expected_tool_wait_s is not None and not expected_tool_wait_s >= 0:
-                raise InvalidRequest("expected_tool_wait_s must be a non-negative number")
+            if expected_tool_wait_s is not None and not 0 <= expected_tool_wait_s < math.inf:
+                raise InvalidRequest(
+                    "expected_tool_wait_s must be a finite, non-negative number of seconds"
+                )
             request.pause_hint = (expected_tool_wait_s, tool)
         if session is not None:
             if self.offload.record_for(session.session_id) is not None:
