@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from kvpilot.engine.clock import Clock, WallClock
 from kvpilot.engine.config import EngineConfig
 from kvpilot.engine.executor import Executor, TierTransport
@@ -186,12 +188,15 @@ class Engine:
                 raise InvalidRequest("this engine has no tokenizer: send token ids")
             return list(self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
         try:
-            tokens = [int(t) for t in prompt]
+            arr = np.asarray(prompt)
         except (TypeError, ValueError) as exc:
             raise InvalidRequest(f"a prompt is a string or a list of token ids: {exc}") from exc
-        if any(isinstance(t, bool) for t in prompt):
-            raise InvalidRequest("token ids must be integers, not booleans")
-        return tokens
+        if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+            raise InvalidRequest(
+                "a prompt is a string or a flat list of integer token ids "
+                f"(got {arr.dtype.name} values{' nested' if arr.ndim > 1 else ''})"
+            )
+        return arr.tolist()
 
     def add_request(
         self,
@@ -273,8 +278,9 @@ class Engine:
 
     def _validate_tokens(self, tokens: list[int]) -> None:
         limit = self.vocab_size
-        bad = [t for t in tokens if t < 0 or (limit is not None and t >= limit)]
-        if bad:
+        low, high = min(tokens), max(tokens)
+        if low < 0 or (limit is not None and high >= limit):
+            bad = [t for t in tokens if t < 0 or (limit is not None and t >= limit)]
             raise InvalidRequest(
                 f"token id(s) {bad[:5]} out of range [0, {limit}) for this model's vocabulary"
             )
@@ -295,8 +301,9 @@ class Engine:
 
     # -- the step loop ----------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
-        """Run one scheduled batch; returns a snapshot of every request that progressed."""
+    def step(self, *, snapshots: bool = True) -> list[RequestOutput]:
+        """Run one scheduled batch; returns a snapshot of every request that progressed
+        (with ``snapshots=False``, only of those that finished: the simulator's fast path)."""
         self.offload.poll(self._idle_sessions)
         sched = self.scheduler.schedule()
         for seq in sched.starved:
@@ -317,10 +324,14 @@ class Engine:
         if sched.num_prefill_tokens:
             context = max(w.start_pos + len(w.token_ids) for w in sched.works)
             self.offload.observe_step(sched.num_prefill_tokens, now - start, context)
-        return self._process(sched, result.tokens, now)
+        return self._process(sched, result.tokens, now, snapshots)
 
     def _process(
-        self, sched: SchedulerOutput, sampled: dict[int, list[int]], now: float
+        self,
+        sched: SchedulerOutput,
+        sampled: dict[int, list[int]],
+        now: float,
+        snapshots: bool = True,
     ) -> list[RequestOutput]:
         block = self.kv.block_size
         progressed: dict[str, Request] = {}
@@ -347,6 +358,9 @@ class Engine:
                 self._append_token(seq, tokens[0], now)
         for request in progressed.values():
             self._finish_request_if_done(request)
+        if not snapshots:
+            done = self._finished_outputs
+            return [done[rid] for rid in progressed if rid in done]
         return [self._snapshot(r) for r in progressed.values()]
 
     def _fan_out(self, parent: Sequence, tokens: list[int], now: float) -> None:
@@ -385,7 +399,7 @@ class Engine:
             self._append_token(child, token, now)
 
     def _append_token(self, seq: Sequence, token: int, now: float) -> None:
-        seq.traj.append_tokens([token])
+        seq.traj.append_token(token)
         seq.output_token_ids.append(token)
         if seq.first_token_time is None:
             seq.first_token_time = now

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from kvpilot.store import DiskBlockStore, SessionStore
 
 DEFAULT_PREFILL_TOKENS_PER_S = 2_000.0
-IDLE_SAMPLE_S = 0.05  # how often idle memory-time is re-measured
+IDLE_SAMPLE_S = 1.0  # how often idle memory-time is re-measured (clock seconds)
 
 
 @dataclass(order=True, slots=True)

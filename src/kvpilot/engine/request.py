@@ -80,9 +80,12 @@ class Request:
 
     @property
     def finished(self) -> bool:
+        seqs = self.seqs
+        if len(seqs) == 1 and self.params.n == 1:
+            return seqs[0].status is SeqStatus.FINISHED
         return (
-            bool(self.seqs)
-            and all(s.is_finished for s in self.seqs)
+            bool(seqs)
+            and all(s.is_finished for s in seqs)
             and (self.forked or self.params.n == 1 or self.aborted)
         )
 

@@ -164,6 +164,9 @@ class Scheduler:
 
     def _try_allocate(self, seq: Sequence, n: int) -> bool:
         """Allocate blocks for n more tokens; idle sessions, then waiting work, give way first."""
+        traj = seq.traj
+        if traj.num_computed_tokens + n <= len(traj.block_table) * self.kv.block_size:
+            return True  # hot path: most decode steps need no new block
         while True:
             try:
                 seq.traj.allocate(n)

@@ -76,24 +76,25 @@ class KVManager:
         ``take_reference=False`` registers a reference the caller already owns (blocks it
         just allocated).
         """
-        pool = self.pools[tier]
-        for b in blocks:
-            if take_reference:
-                pool.incref(b)
-            self.pins[tier][b] += 1
+        ids = list(blocks)
+        if take_reference:
+            self.pools[tier].incref_many(ids)
+        self.pins[tier].update(ids)
 
     def unpin(self, tier: Tier, blocks: Iterable[int], *, drop_reference: bool = True) -> None:
         """Let go of pinned blocks; ``drop_reference=False`` hands the reference on."""
-        pool = self.pools[tier]
+        ids = list(blocks)
         pins = self.pins[tier]
-        for b in blocks:
-            if pins[b] <= 0:
+        for b in ids:
+            left = pins.get(b, 0) - 1
+            if left < 0:
                 raise ValueError(f"{tier} block {b} is not pinned")
-            pins[b] -= 1
-            if not pins[b]:
+            if left:
+                pins[b] = left
+            else:
                 del pins[b]
-            if drop_reference:
-                pool.decref(b)
+        if drop_reference:
+            self.pools[tier].decref_many(ids)
 
     def free_blocks(self) -> int:
         """Device blocks admission can count on: free now plus evictable from the cache."""

@@ -108,6 +108,15 @@ class Trajectory:
         self._sync()
         return self._buf
 
+    def append_token(self, token: int) -> None:
+        """One sampled token (the decode hot path)."""
+        if self.closed:
+            self._require_open()
+        if len(self._buf) != len(self.tokens):
+            self._sync()
+        self._buf.append(token)
+        self.tokens.append(token)
+
     def append_tokens(self, tokens: Iterable[int]) -> None:
         self._require_open()
         new = as_token_array(tokens if isinstance(tokens, Sequence) else list(tokens))

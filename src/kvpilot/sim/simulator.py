@@ -182,7 +182,11 @@ class Simulator:
         engine = self.engine
         offload = engine.offload
         clock_now, t0 = self.clock.now, self.t0
-        has_work, step = engine.has_unfinished, engine.step
+        has_work = engine.has_unfinished
+
+        def step() -> list[RequestOutput]:
+            return engine.step(snapshots=False)
+
         end = self.duration_s
         events = self._events
         next_sample = 0.0
