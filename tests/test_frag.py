@@ -11,11 +11,13 @@ from kvpilot.memory.baselines import (
     GIB,
     KIB,
     MIB,
-    SPEC_REQUEST_BYTES,
     BuddyAllocator,
     KvAllocator,
     PagedAllocator,
     StaticAllocator,
+)
+from kvpilot.memory.frag_lab import (
+    SPEC_REQUEST_BYTES,
     Workload,
     compare_allocators,
     spec_scenario_a,

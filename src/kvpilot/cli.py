@@ -113,7 +113,7 @@ def frag(
     """Compare static, buddy and paged KV allocators: efficiency, fragmentation, concurrency."""
     from kvpilot.cli_format import parse_bytes, render_frag, to_jsonable
     from kvpilot.errors import ConfigError
-    from kvpilot.memory.baselines import Workload, compare_allocators, spec_scenarios
+    from kvpilot.memory.frag_lab import Workload, compare_allocators, spec_scenarios
 
     try:
         try:

@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvpilot.errors import ConfigError
-from kvpilot.memory.baselines import FragReport, ScenarioResult
+from kvpilot.memory.frag_lab import FragReport, ScenarioResult
 from kvpilot.plan import Plan
 
 _UNITS: dict[str, int] = {

@@ -624,7 +624,18 @@ class Engine:
         return self.offload.reclaim(self._idle_sessions())
 
     def _admission_gate(self, seq: Sequence) -> bool:
-        return self.offload.ensure_resident(seq.traj)
+        """Ready when the prefix is device-resident; short of room to load it, idle
+        sessions give way, then (with nothing running) other waiting work does."""
+        while True:
+            if self.offload.ensure_resident(seq.traj):
+                return True
+            if not self.offload.mover.short_of_memory:
+                return False  # its load is in flight
+            if self._reclaim_idle(0):
+                continue
+            if not self.scheduler.running and self.scheduler.release_waiting(seq):
+                continue
+            return False
 
     def _on_admit(self, seq: Sequence) -> None:
         traj = seq.traj

@@ -175,10 +175,10 @@ class Scheduler:
                 wanted = seq.traj.blocks_needed(n)
                 if self.reclaim_idle is not None and self.reclaim_idle(wanted):
                     continue
-                if not self._release_waiting(seq):
+                if not self.release_waiting(seq):
                     return False
 
-    def _release_waiting(self, keep: Sequence) -> bool:
+    def release_waiting(self, keep: Sequence) -> bool:
         """Drop the KV a waiting sequence holds (the latest first): it recomputes or reloads."""
         for other in reversed(self.waiting):
             if other is not keep and other.traj.block_table:

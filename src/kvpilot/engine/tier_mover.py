@@ -93,6 +93,7 @@ class TierMover:
         self.loads: dict[int, _Load] = {}
         self.loaded: dict[int, dict[str, int]] = {}  # traj_id -> tokens loaded per tier
         self.disk_hint: set[int] = set()  # trajectories whose blocks may be on disk
+        self.short_of_memory = False  # the last ensure_resident found no device room
         if transport is not None and self.host_pool is not None:
             self._probe_link()
         if transport is not None and disk is not None:
@@ -193,6 +194,7 @@ class TierMover:
             chosen.append(node)
         if not chosen:
             return None
+        self._lock(chosen)  # no eviction may drop their device copy mid-copy
         ids = list(dest)
         move = _Move("host", self.transport.swap_out(list(dest.items())), chosen, ids, dest)
         self.moves.append(move)
@@ -214,6 +216,7 @@ class TierMover:
             keys += [h[i * HASH_BYTES : (i + 1) * HASH_BYTES] for i in range(len(dev))]
             chosen.append(node)
         if chosen:
+            self._lock(chosen)
             read = self.transport.read_device(ids)
             self.moves.append(_Move("disk", read, chosen, ids, keys=keys, stage="read"))
 
@@ -223,11 +226,13 @@ class TierMover:
             result = move.transfer.result()
         except Exception:  # a failed copy: everything stays where it was
             log.exception("a %s move failed; the blocks stay on the device", move.kind)
+            self._unlock(move)
             if move.kind == "host":
                 self.kv.unpin(Tier.HOST, list(move.dest.values()))
             self.kv.unpin(Tier.DEVICE, move.device_ids)
             return True
         if move.kind == "host":
+            self._unlock(move)
             self.link.observe(len(move.device_ids) * self.block_bytes, float(result))
             self.stats.bytes_moved["device_to_host"] += len(move.device_ids) * self.block_bytes
             used: set[int] = set()
@@ -246,6 +251,7 @@ class TierMover:
             move.transfer = self.disk.put_many(list(zip(move.keys, result, strict=True)))
             move.stage = "write"
             return False
+        self._unlock(move)
         written = {d for d, ok in zip(move.device_ids, result, strict=True) if ok}
         self.stats.bytes_moved["device_to_disk"] += len(written) * self.block_bytes
         for bottom in move.nodes:
@@ -260,12 +266,25 @@ class TierMover:
         self.kv.unpin(Tier.DEVICE, move.device_ids)
         return True
 
+    def _lock(self, nodes: list[RadixNode]) -> None:
+        for node in nodes:
+            self.radix.lock(node)
+            self.kv.move_locks[node] += 1
+
+    def _unlock(self, move: _Move) -> None:
+        for node in move.nodes:
+            self.radix.unlock(node)
+            self.kv.move_locks[node] -= 1
+            if not self.kv.move_locks[node]:
+                del self.kv.move_locks[node]
+
     # -- in -----------------------------------------------------------------------------------
 
     def ensure_resident(
         self, traj: Trajectory, *, prefetch: bool = False, session_id: str | None = None
     ) -> bool:
         """True when the trajectory's cached prefix is on the device; else start loading it."""
+        self.short_of_memory = False
         job = self.loads.get(traj.traj_id)
         if job is not None:
             if not prefetch and job.prefetch:
@@ -287,6 +306,7 @@ class TierMover:
         need = sum(n.num_blocks for n in host_nodes) + len(disk_keys)
         dev = self._allocate_device(need, match.path, host_nodes)
         if dev is None:
+            self.short_of_memory = True
             return False
         host_map: dict[int, int] = {}
         for node in host_nodes:

@@ -54,6 +54,8 @@ class KVManager:
         self.trajectories: dict[int, Trajectory] = {}
         # References held by copies in flight (tier moves): counted by check_invariants.
         self.pins: dict[Tier, Counter[int]] = {tier: Counter() for tier in self.pools}
+        # Radix locks held by copies in flight (not by a trajectory): counted likewise.
+        self.move_locks: Counter[RadixNode] = Counter()
         self._ids = itertools.count()
 
     def open_trajectory(self, salt: str | None = None, tokens: Iterable[int] = ()) -> Trajectory:
@@ -142,6 +144,11 @@ class KVManager:
             while node is not None:
                 locks[node] += 1
                 node = node.parent
+        for bottom, n in self.move_locks.items():
+            node = bottom
+            while node is not None:
+                locks[node] += n
+                node = node.parent
         for tier, pins in self.pins.items():
             for b, n in pins.items():
                 expected[tier][b] += n
@@ -156,7 +163,8 @@ class KVManager:
         for node in self.radix.iter_nodes():
             _require(
                 node.lock_count == locks[node],
-                f"{node!r}: lock count {node.lock_count}, trajectories lock it {locks[node]} times",
+                f"{node!r}: lock count {node.lock_count}, trajectories and moves lock it "
+                f"{locks[node]} times",
             )
 
 
