@@ -209,9 +209,9 @@ def test_the_engine_stays_consistent_through_a_simulation() -> None:
     steps = 0
     original = engine.step
 
-    def checked_step() -> Any:
+    def checked_step(**kwargs: Any) -> Any:
         nonlocal steps
-        out = original()
+        out = original(**kwargs)
         steps += 1
         if steps % 25 == 0:
             engine.check_invariants()
