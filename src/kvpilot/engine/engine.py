@@ -224,20 +224,9 @@ class Engine:
         tokens = self.encode(prompt, add_special_tokens=first_turn)
         if not tokens:
             raise InvalidRequest("the prompt is empty")
-        self._validate_tokens(tokens)
+        self.validate_tokens(tokens)
         history = len(session.traj.tokens) if session is not None else 0
-        total = history + len(tokens)
-        if total >= self.max_model_len:
-            raise PromptTooLong(
-                f"prompt of {total} tokens (history {history} + new {len(tokens)}) leaves no room "
-                f"to generate within the model context of {self.max_model_len} tokens"
-            )
-        capacity = self.kv.device.num_blocks * self.kv.block_size
-        if total + 1 > capacity:
-            raise PromptTooLong(
-                f"prompt of {total} tokens exceeds the KV pool of {capacity} tokens "
-                f"({self.kv.device.num_blocks} blocks of {self.kv.block_size})"
-            )
+        self.check_fits(history + len(tokens), history)
         rid = request_id or f"req-{next(self._request_ids)}"
         if rid in self.requests:
             raise InvalidRequest(f"request id {rid!r} is already in use")
@@ -276,7 +265,23 @@ class Engine:
         self.scheduler.add(seq)
         return rid
 
-    def _validate_tokens(self, tokens: list[int]) -> None:
+    def check_fits(self, total: int, history: int = 0) -> None:
+        """PromptTooLong unless a context of ``total`` tokens leaves room to generate."""
+        if total >= self.max_model_len:
+            raise PromptTooLong(
+                f"prompt of {total} tokens (history {history} + new {total - history}) leaves "
+                f"no room to generate within the model context of {self.max_model_len} tokens"
+            )
+        capacity = self.kv.device.num_blocks * self.kv.block_size
+        if total + 1 > capacity:
+            raise PromptTooLong(
+                f"prompt of {total} tokens exceeds the KV pool of {capacity} tokens "
+                f"({self.kv.device.num_blocks} blocks of {self.kv.block_size}): give the "
+                "engine more KV memory"
+            )
+
+    def validate_tokens(self, tokens: list[int]) -> None:
+        """InvalidRequest unless every token id is in the model's vocabulary."""
         limit = self.vocab_size
         low, high = min(tokens), max(tokens)
         if low < 0 or (limit is not None and high >= limit):

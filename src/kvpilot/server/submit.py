@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from kvpilot.engine import Engine, SamplingParams
-from kvpilot.errors import InvalidRequest, PromptTooLong
+from kvpilot.errors import InvalidRequest
 from kvpilot.server.limits import resolve_max_tokens
 from kvpilot.server.protocol import ApiError, SessionHistory
 from kvpilot.server.turns import chat_resends_history, completion_resends_history, plan_turn
@@ -68,28 +68,14 @@ def render_chat(
 
 def encode(engine: Engine, prompt: str | list[int], *, special: bool) -> list[int]:
     tokens = engine.encode(prompt, add_special_tokens=special)
-    limit = engine.vocab_size
-    bad = [t for t in tokens if t < 0 or (limit is not None and t >= limit)]
-    if bad:
-        raise InvalidRequest(
-            f"token id(s) {bad[:5]} out of range [0, {limit}) for this model's vocabulary"
-        )
+    if tokens:
+        engine.validate_tokens(tokens)
     return tokens
 
 
 def check_fits(engine: Engine, total: int) -> None:
     """The engine's own admission checks, made before anything is changed."""
-    if total >= engine.max_model_len:
-        raise PromptTooLong(
-            f"prompt of {total} tokens leaves no room to generate within the model context "
-            f"of {engine.max_model_len} tokens"
-        )
-    capacity = engine.kv.device.num_blocks * engine.kv.block_size
-    if total + 1 > capacity:
-        raise PromptTooLong(
-            f"prompt of {total} tokens exceeds the KV pool of {capacity} tokens: start the "
-            "server with more --kv-blocks / --kv-memory"
-        )
+    engine.check_fits(total)
 
 
 def request_adder(
