@@ -328,3 +328,15 @@ def test_rewind_reuses_full_blocks_before_the_cut() -> None:
     with pytest.raises(InvalidRequest):
         session.rewind(10_000)
     assert_all_blocks_free(engine)
+
+
+def test_speculative_branches_are_gated_under_pressure_and_still_correct() -> None:
+    engine = make_engine(num_blocks=16, tau_high=0.5)
+    p = prompt(21, 120)  # eight blocks: past tau_high once prefilled
+    params = SamplingParams(max_tokens=4, temperature=1.0, seed=3, n=3)
+    out = engine.generate([p], params)[0]
+    assert engine.stats.gated_forks == 2
+    for branch in out.outputs:
+        solo = SamplingParams(max_tokens=4, temperature=1.0, seed=3 + branch.index)
+        assert list(branch.token_ids) == oracle_generate(p, solo, seed=3 + branch.index)
+    assert_all_blocks_free(engine)

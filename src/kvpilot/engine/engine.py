@@ -49,6 +49,7 @@ class EngineStats:
     cached_tokens: int = 0  # per request: prefix hit
     requests_finished: int = 0
     forks: int = 0
+    gated_forks: int = 0  # branches deferred to the queue under memory pressure
     fork_copied_blocks: int = 0
     step_time_s: float = 0.0
     ttft_s: list[float] = field(default_factory=list)
@@ -374,13 +375,20 @@ class Engine:
         request.forked = True
         copies: list[tuple[int, int]] = []
         children: list[Sequence] = []
+        # Speculative branches are gated first under pressure: past tau_high they wait in
+        # the queue (recomputing only their tail from the cache) instead of running now.
+        gated = self.scheduler.held_usage() >= self.config.tau_high
         for index in range(1, len(tokens)):
             try:
+                if gated:
+                    raise OutOfBlocks("device", 1, 0)
                 fork = parent.traj.fork()
                 child_traj, copy = fork.child, fork.copy
             except OutOfBlocks:
                 # No block for the partial tail: the branch recomputes it from the cache.
+                parent.traj.commit()
                 child_traj, copy = self.kv.open_trajectory(request.salt, parent.traj.tokens), None
+                self.stats.gated_forks += 1
             if copy is not None:
                 copies.append(copy)
             child = Sequence(

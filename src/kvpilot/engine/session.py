@@ -87,6 +87,10 @@ class Session:
         if self.active_request is not None:
             raise InvalidRequest("cannot rewind a session while a turn is running")
         self.traj.truncate(num_tokens)
+        high = self.engine.offload.high_water
+        tid = self.traj.traj_id
+        if high.get(tid, 0) > num_tokens:
+            high[tid] = num_tokens  # what follows the cut is new, not recomputed
 
     def fork(self, n: int = 1) -> list[Session]:
         """``n`` new sessions continuing from this one's state, sharing its KV."""
