@@ -2,11 +2,12 @@
 
 from kvpilot.engine.clock import Clock, VirtualClock, WallClock
 from kvpilot.engine.config import EngineConfig
-from kvpilot.engine.engine import Engine, EngineStats
+from kvpilot.engine.engine import Engine
 from kvpilot.engine.executor import Executor, SeqWork, StepOutput
 from kvpilot.engine.request import CompletionOutput, RequestOutput
 from kvpilot.engine.sampling import SamplingParams
 from kvpilot.engine.session import Session
+from kvpilot.engine.stats import EngineStats
 
 __all__ = [
     "Clock",

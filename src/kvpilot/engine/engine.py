@@ -11,7 +11,6 @@ import math
 import random
 from collections.abc import Iterable
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +20,8 @@ from kvpilot.engine.clock import Clock, WallClock
 from kvpilot.engine.config import EngineConfig
 from kvpilot.engine.executor import Executor, TierTransport
 from kvpilot.engine.offload import OffloadManager
+from kvpilot.engine.outputs import as_prompt_list, decode, find_stop, seq_text, snapshot
 from kvpilot.engine.request import (
-    CompletionOutput,
     Request,
     RequestOutput,
     SeqStatus,
@@ -31,40 +30,11 @@ from kvpilot.engine.request import (
 from kvpilot.engine.sampling import SamplingParams
 from kvpilot.engine.scheduler import Scheduler, SchedulerOutput
 from kvpilot.engine.session import Session
+from kvpilot.engine.stats import EngineStats
 from kvpilot.errors import InvalidRequest, OutOfBlocks, PromptTooLong
 from kvpilot.memory import KVConfig, KVManager, Trajectory
 from kvpilot.policy.breakeven import PauseDecision
 from kvpilot.policy.pause import make_pause_policy
-
-
-@dataclass(slots=True)
-class EngineStats:
-    """Counters a user (and /metrics) can read."""
-
-    steps: int = 0
-    prefill_tokens: int = 0  # tokens whose KV was computed by prefill chunks
-    decode_tokens: int = 0
-    generated_tokens: int = 0
-    prompt_tokens: int = 0  # per request: history + prompt at admission
-    cached_tokens: int = 0  # per request: prefix hit
-    requests_finished: int = 0
-    forks: int = 0
-    gated_forks: int = 0  # branches deferred to the queue under memory pressure
-    fork_copied_blocks: int = 0
-    step_time_s: float = 0.0
-    ttft_s: list[float] = field(default_factory=list)
-    itl_s: list[float] = field(default_factory=list)
-    e2e_s: list[float] = field(default_factory=list)
-
-    @property
-    def hit_rate(self) -> float:
-        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
-
-    def drain_samples(self) -> tuple[list[float], list[float], list[float]]:
-        """Hand over (ttft, itl, e2e) samples gathered so far and start new lists."""
-        out = (self.ttft_s, self.itl_s, self.e2e_s)
-        self.ttft_s, self.itl_s, self.e2e_s = [], [], []
-        return out
 
 
 class Engine:
@@ -438,7 +408,7 @@ class Engine:
         if params.stop and self.tokenizer is not None:
             text = self._decode(seq.output_token_ids)
             window = len(seq.output_text) - max(len(s) for s in params.stop)
-            cut = _find_stop(text, params.stop, max(0, window))
+            cut = find_stop(text, params.stop, max(0, window))
             seq.output_text = text if cut is None else text[:cut]
             if cut is not None:
                 seq.detok_offset = -1  # text is final
@@ -485,40 +455,14 @@ class Engine:
     # -- outputs ----------------------------------------------------------------------
 
     def _decode(self, token_ids: Seq[int]) -> str:
-        if self.tokenizer is None:
-            return ""
-        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+        return decode(self.tokenizer, token_ids)
 
     def _text(self, seq: Sequence) -> str:
-        if seq.detok_offset == -1:
-            return seq.output_text
-        if seq.detok_offset != len(seq.output_token_ids):
-            seq.output_text = self._decode(seq.output_token_ids)
-            seq.detok_offset = len(seq.output_token_ids)
-        return seq.output_text
+        return seq_text(self.tokenizer, seq)
 
     def _snapshot(self, request: Request) -> RequestOutput:
-        if request.request_id in self._finished_outputs:
-            return self._finished_outputs[request.request_id]
-        outputs = tuple(
-            CompletionOutput(s.index, self._text(s), tuple(s.output_token_ids), s.finish_reason)
-            for s in sorted(request.seqs, key=lambda s: s.index)
-        )
-        firsts = [s.first_token_time for s in request.seqs if s.first_token_time is not None]
-        done = [s.finish_time for s in request.seqs if s.finish_time is not None]
-        return RequestOutput(
-            request_id=request.request_id,
-            prompt_token_ids=tuple(request.prompt_token_ids),
-            prompt_tokens=request.history_tokens + len(request.prompt_token_ids),
-            cached_tokens=request.cached_tokens,
-            cached_tokens_by_tier=dict(request.cached_by_tier),
-            outputs=outputs,
-            finished=request.finished,
-            arrival_time=request.arrival_time,
-            first_token_time=min(firsts) if firsts else None,
-            finish_time=max(done) if request.finished and done else None,
-            session_id=request.session_id,
-        )
+        done = self._finished_outputs.get(request.request_id)
+        return done if done is not None else snapshot(request, self.tokenizer)
 
     def get_output(self, request_id: str) -> RequestOutput:
         if request_id in self._finished_outputs:
@@ -547,7 +491,7 @@ class Engine:
         salt: str | None = None,
     ) -> list[RequestOutput]:
         """Run a batch of prompts to completion; outputs in the order given."""
-        batch = _as_prompt_list(prompts)
+        batch = as_prompt_list(prompts)
         if params is None or isinstance(params, SamplingParams):
             plist = [params or SamplingParams()] * len(batch)
         else:
@@ -687,17 +631,3 @@ class Engine:
 
     def open_trajectories(self) -> list[Trajectory]:
         return list(self.kv.trajectories.values())
-
-
-def _find_stop(text: str, stops: Seq[str], start: int) -> int | None:
-    cuts = [i for s in stops if (i := text.find(s, start)) != -1]
-    return min(cuts) if cuts else None
-
-
-def _as_prompt_list(prompts: Any) -> list[str | list[int]]:
-    if isinstance(prompts, str):
-        return [prompts]
-    items = list(prompts)
-    if items and all(isinstance(t, int) for t in items):
-        return [items]
-    return [p if isinstance(p, str) else list(p) for p in items]

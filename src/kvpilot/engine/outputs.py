@@ -1,0 +1,64 @@
+"""Turning sequences into what callers see: text, snapshots, stop-string cuts."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from typing import Any
+
+from kvpilot.engine.request import CompletionOutput, Request, RequestOutput, Sequence
+
+
+def decode(tokenizer: Any, token_ids: Seq[int]) -> str:
+    if tokenizer is None:
+        return ""
+    return tokenizer.decode(list(token_ids), skip_special_tokens=True)
+
+
+def seq_text(tokenizer: Any, seq: Sequence) -> str:
+    """The sequence's output text, decoded again only when tokens were added."""
+    if seq.detok_offset == -1:  # cut by a stop string: final
+        return seq.output_text
+    if seq.detok_offset != len(seq.output_token_ids):
+        seq.output_text = decode(tokenizer, seq.output_token_ids)
+        seq.detok_offset = len(seq.output_token_ids)
+    return seq.output_text
+
+
+def snapshot(request: Request, tokenizer: Any) -> RequestOutput:
+    outputs = tuple(
+        CompletionOutput(
+            s.index, seq_text(tokenizer, s), tuple(s.output_token_ids), s.finish_reason
+        )
+        for s in sorted(request.seqs, key=lambda s: s.index)
+    )
+    firsts = [s.first_token_time for s in request.seqs if s.first_token_time is not None]
+    done = [s.finish_time for s in request.seqs if s.finish_time is not None]
+    return RequestOutput(
+        request_id=request.request_id,
+        prompt_token_ids=tuple(request.prompt_token_ids),
+        prompt_tokens=request.history_tokens + len(request.prompt_token_ids),
+        cached_tokens=request.cached_tokens,
+        cached_tokens_by_tier=dict(request.cached_by_tier),
+        outputs=outputs,
+        finished=request.finished,
+        arrival_time=request.arrival_time,
+        first_token_time=min(firsts) if firsts else None,
+        finish_time=max(done) if request.finished and done else None,
+        session_id=request.session_id,
+    )
+
+
+def find_stop(text: str, stops: Seq[str], start: int) -> int | None:
+    """Where the earliest stop string begins at or after ``start``, if any."""
+    cuts = [i for s in stops if (i := text.find(s, start)) != -1]
+    return min(cuts) if cuts else None
+
+
+def as_prompt_list(prompts: Any) -> list[str | list[int]]:
+    """One prompt (text or token ids) or many, as a list of prompts."""
+    if isinstance(prompts, str):
+        return [prompts]
+    items = list(prompts)
+    if items and all(isinstance(t, int) for t in items):
+        return [items]
+    return [p if isinstance(p, str) else list(p) for p in items]
