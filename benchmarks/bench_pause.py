@@ -179,12 +179,14 @@ def main() -> None:
     setups = {
         # model: (sessions, max tokens per call, device blocks)
         "tiny": (8, 4096, 600) if args.quick else (16, 8000, 1200),
-        "llama-100m": (4, 1024, 200) if args.quick else (6, 2048, 200),
+        "llama-100m": (3, 4000, 300) if args.quick else (6, 4000, 300),
     }
     report: dict[str, dict] = {}
     for name in args.models.split(","):
         n, max_tokens, blocks = setups[name]
         sessions = load_sessions(n, max_tokens, args.compression)
+        if not sessions:
+            raise SystemExit(f"no trace session fits {max_tokens} tokens per call for {name}")
         model = "tiny" if name == "tiny" else llama_100m()
         work = sum(len(t.tokens) for s in sessions for t in s)
         print(
