@@ -153,6 +153,18 @@ def _fmt_s(seconds: float) -> str:
     return f"{seconds:.1f} s" if seconds < 100 else f"{seconds:.0f} s"
 
 
+def _fmt_bytes(n: float) -> str:
+    """Decimal units, so that spec figures (10.7 GB) read as in the spec."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _fmt_gbs(x: float) -> str:
+    return f"{x:,.0f}" if x >= 10 else f"{x:.3g}"
+
+
 def _break_even(round_trip: float, mu_device: float, mu_tier: float, stall: float) -> float:
     if mu_device <= mu_tier:
         return math.inf
@@ -204,8 +216,8 @@ def decide_pause(
         return decision(
             PauseAction.RETAIN,
             f"retain: device memory is plentiful (pressure {inputs.device_pressure:.2f} < "
-            f"{thresholds.device_plentiful_below:.2f}), so holding {gb:.1f} GB for "
-            f"{_fmt_s(wait)} ({gb * wait:,.0f} GB·s) costs nobody anything",
+            f"{thresholds.device_plentiful_below:.2f}), so holding {_fmt_bytes(m)} for "
+            f"{_fmt_s(wait)} ({_fmt_gbs(gb * wait)} GB·s) costs nobody anything",
         )
     what = {
         PauseAction.OFFLOAD_HOST: "the host round trip",
@@ -216,14 +228,14 @@ def decide_pause(
         return decision(
             PauseAction.RETAIN,
             f"retain: the {_fmt_s(wait)} wait is shorter than {what} ({_fmt_s(way_out_rt)}), "
-            f"so moving {gb:.1f} GB out would stall the resume",
+            f"so moving {_fmt_bytes(m)} out would stall the resume",
         )
     if wait <= t_star:
         return decision(
             PauseAction.RETAIN,
             f"retain: the {_fmt_s(wait)} wait is below the break-even wait {_fmt_s(t_star)} "
             f"(device pressure {inputs.device_pressure:.2f} vs {mu_tier:.2f} where the state "
-            f"would go), so holding {gb:.1f} GB is cheaper than moving it",
+            f"would go), so holding {_fmt_bytes(m)} is cheaper than moving it",
         )
     if via is PauseAction.DROP:
         if math.isinf(tier_reload):
@@ -233,11 +245,11 @@ def decide_pause(
         return decision(
             PauseAction.DROP,
             f"drop: {why}; the {_fmt_s(wait)} wait is past the break-even "
-            f"{_fmt_s(t_star)}, so free {gb:.1f} GB now and recompute on return",
+            f"{_fmt_s(t_star)}, so free {_fmt_bytes(m)} now and recompute on return",
         )
     if via is PauseAction.OFFLOAD_DISK:
         why = (
-            f"the host has room for only {inputs.host_free_bytes / 1e9:.1f} GB"
+            f"the host has room for only {_fmt_bytes(inputs.host_free_bytes)}"
             if inputs.host_free_bytes < m
             else f"host memory is under pressure ({inputs.host_pressure:.2f}) and the "
             f"{_fmt_s(2 * disk_reload_s)} disk round trip is negligible"
@@ -245,13 +257,13 @@ def decide_pause(
         return decision(
             PauseAction.OFFLOAD_DISK,
             f"offload to disk: {why}; the {_fmt_s(wait)} wait exceeds the "
-            f"{_fmt_s(2 * disk_reload_s)} round trip and reloading {gb:.1f} GB "
+            f"{_fmt_s(2 * disk_reload_s)} round trip and reloading {_fmt_bytes(m)} "
             f"({_fmt_s(disk_reload_s)}) beats recomputing ({_fmt_s(recompute_s)})",
         )
     return decision(
         PauseAction.OFFLOAD_HOST,
         f"offload to host: the {_fmt_s(wait)} wait exceeds the {_fmt_s(2 * reload_s)} round "
-        f"trip (break-even {_fmt_s(t_star)}), and reloading {gb:.1f} GB takes "
+        f"trip (break-even {_fmt_s(t_star)}), and reloading {_fmt_bytes(m)} takes "
         f"{_fmt_s(reload_s)} vs {_fmt_s(recompute_s)} to recompute "
-        f"({recompute_s / reload_s:.0f}x faster); holding it would tie up {gb * wait:,.0f} GB·s",
+        f"({recompute_s / reload_s:.0f}x faster); holding it would tie up {_fmt_gbs(gb * wait)} GB·s",
     )
