@@ -265,5 +265,6 @@ def decide_pause(
         f"offload to host: the {_fmt_s(wait)} wait exceeds the {_fmt_s(2 * reload_s)} round "
         f"trip (break-even {_fmt_s(t_star)}), and reloading {_fmt_bytes(m)} takes "
         f"{_fmt_s(reload_s)} vs {_fmt_s(recompute_s)} to recompute "
-        f"({recompute_s / reload_s:.0f}x faster); holding it would tie up {_fmt_gbs(gb * wait)} GB·s",
+        f"({recompute_s / reload_s:.0f}x faster); holding it would tie up "
+        f"{_fmt_gbs(gb * wait)} GB·s",
     )
