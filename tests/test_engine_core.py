@@ -257,9 +257,12 @@ def test_session_misuse_is_rejected() -> None:
     run_checked(engine)
     with pytest.raises(InvalidRequest, match="n > 1"):
         session.submit(prompt(3, 5), SamplingParams(n=2))
+    assert engine.get_session(session.session_id) is session
     session.close()
     with pytest.raises(InvalidRequest, match="closed"):
         session.submit(prompt(3, 5))
+    with pytest.raises(InvalidRequest, match="unknown session"):
+        engine.get_session(session.session_id)
     assert_all_blocks_free(engine)
 
 

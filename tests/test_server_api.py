@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
@@ -427,8 +428,7 @@ def scrape(srv: Harness) -> dict[str, float]:
 def test_metrics_parse_and_counters_move(srv: Harness) -> None:
     before = scrape(srv)
     srv.client().completions.create(model="tiny", prompt="metrics " * 6, max_tokens=3, **GREEDY)
-    after = scrape(srv)
-    for name in (
+    moving = (
         "kvpilot_generation_tokens_total{}",
         "kvpilot_prompt_tokens_total{}",
         "kvpilot_requests_finished_total{}",
@@ -436,7 +436,15 @@ def test_metrics_parse_and_counters_move(srv: Harness) -> None:
         "kvpilot_time_to_first_token_seconds_count{}",
         "kvpilot_e2e_request_latency_seconds_count{}",
         "kvpilot_tenant_prompt_tokens_total{tenant=alice}",
-    ):
+    )
+    # The engine thread publishes its snapshot just after the step that answered the
+    # request, so a scrape may briefly lag the response: allow it a moment (bounded).
+    for _ in range(50):
+        after = scrape(srv)
+        if all(after.get(n, 0.0) > before.get(n, 0.0) for n in moving):
+            break
+        time.sleep(0.1)
+    for name in moving:
         assert after[name] > before.get(name, 0.0), name
     assert after["kvpilot_inter_token_latency_seconds_count{}"] >= 2
     assert after["kvpilot_kv_blocks{state=total,tier=device}"] == 512

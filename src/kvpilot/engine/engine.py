@@ -32,7 +32,7 @@ from kvpilot.engine.scheduler import Scheduler, SchedulerOutput
 from kvpilot.engine.session import Session
 from kvpilot.engine.stats import EngineStats
 from kvpilot.errors import InvalidRequest, OutOfBlocks, PromptTooLong
-from kvpilot.memory import KVConfig, KVManager, Trajectory
+from kvpilot.memory import KVConfig, KVManager
 from kvpilot.policy.breakeven import PauseDecision
 from kvpilot.policy.pause import make_pause_policy
 
@@ -349,15 +349,17 @@ class Engine:
         # the queue (recomputing only their tail from the cache) instead of running now.
         gated = self.scheduler.held_usage() >= self.config.tau_high
         for index in range(1, len(tokens)):
-            try:
-                if gated:
-                    raise OutOfBlocks("device", 1, 0)
-                fork = parent.traj.fork()
-                child_traj, copy = fork.child, fork.copy
-            except OutOfBlocks:
-                # No block for the partial tail: the branch recomputes it from the cache.
+            child_traj, copy = None, None
+            if not gated:
+                try:
+                    fork = parent.traj.fork()
+                    child_traj, copy = fork.child, fork.copy
+                except OutOfBlocks:
+                    pass  # no block for the partial tail
+            if child_traj is None:
+                # Deferred: the branch waits in the queue and recomputes its tail from the cache.
                 parent.traj.commit()
-                child_traj, copy = self.kv.open_trajectory(request.salt, parent.traj.tokens), None
+                child_traj = self.kv.open_trajectory(request.salt, parent.traj.tokens)
                 self.stats.gated_forks += 1
             if copy is not None:
                 copies.append(copy)
@@ -628,6 +630,3 @@ class Engine:
         for seq in self.scheduler.waiting:
             assert seq.status is SeqStatus.WAITING
         assert len(set(map(id, self.scheduler.running))) == len(self.scheduler.running)
-
-    def open_trajectories(self) -> list[Trajectory]:
-        return list(self.kv.trajectories.values())

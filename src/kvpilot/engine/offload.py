@@ -350,16 +350,3 @@ class OffloadManager:
         self.mover.close()
         if self.session_store is not None:
             self.session_store.close()
-
-    def describe(self) -> dict[str, Any]:
-        host = self.mover.host_pool
-        disk = self.mover.disk
-        return {
-            "policy": self.policy.name,
-            "link_bw_bytes_s": self.mover.link_bw(),
-            "disk_bw_bytes_s": self.mover.disk_bw(),
-            "host_blocks": host.num_blocks if host is not None else 0,
-            "host_used": host.num_used if host is not None else 0,
-            "disk_blocks": len(disk) if disk is not None else 0,
-            **self.stats.as_dict(),
-        }

@@ -40,9 +40,7 @@ class Sequence:
     first_token_time: float | None = None
     last_token_time: float | None = None
     finish_time: float | None = None
-    token_times: list[float] = field(default_factory=list)
     detok_offset: int = 0  # output tokens already turned into text
-    pending_bytes: str = ""
 
     @property
     def num_tokens(self) -> int:
