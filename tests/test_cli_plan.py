@@ -7,8 +7,8 @@ import pytest
 from typer.testing import CliRunner
 
 from kvpilot.cli import app
-from kvpilot.cli_format import parse_bytes
 from kvpilot.errors import ConfigError
+from kvpilot.units import parse_bytes
 
 runner = CliRunner()
 

@@ -9,8 +9,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from kvpilot.demo import DemoConfig, run_engine_demo
-from kvpilot.demo_client import (
+from kvpilot.demo.client import (
     ScriptBudget,
     TurnResult,
     clip,
@@ -20,6 +19,7 @@ from kvpilot.demo_client import (
     synthetic_scripts,
     tool_of,
 )
+from kvpilot.demo.run import DemoConfig, run_engine_demo
 from kvpilot.errors import ConfigError
 from kvpilot.server.process import ServeProcess, ServerStartError
 

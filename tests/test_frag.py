@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvpilot.errors import ConfigError
-from kvpilot.memory.baselines import (
+from kvpilot.sizing.allocators import (
     GIB,
     KIB,
     MIB,
@@ -16,7 +16,7 @@ from kvpilot.memory.baselines import (
     PagedAllocator,
     StaticAllocator,
 )
-from kvpilot.memory.frag_lab import (
+from kvpilot.sizing.frag_lab import (
     SPEC_REQUEST_BYTES,
     Workload,
     compare_allocators,

@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvpilot.errors import ConfigError
-from kvpilot.geometry import PRESETS, ModelGeometry, from_hf_config, resolve_geometry
+from kvpilot.sizing.geometry import PRESETS, ModelGeometry, from_hf_config, resolve_geometry
 
 # Published Hugging Face configs (the fields sizing reads).
 HF_CONFIGS: dict[str, dict[str, Any]] = {

@@ -120,9 +120,9 @@ def test_breakeven_retains_when_memory_is_plentiful_and_moves_under_pressure(
 
 
 def test_breakeven_matches_kvpilot_plan_for_the_same_inputs() -> None:
-    from kvpilot.geometry import resolve_geometry
-    from kvpilot.hardware import parse_node
-    from kvpilot.plan import pause_inputs
+    from kvpilot.sizing.geometry import resolve_geometry
+    from kvpilot.sizing.hardware import parse_node
+    from kvpilot.sizing.plan import pause_inputs
 
     node = parse_node("8xh100")
     geometry = resolve_geometry("llama-3-70b")
@@ -135,9 +135,9 @@ def test_breakeven_matches_kvpilot_plan_for_the_same_inputs() -> None:
 
 
 def test_every_policy_is_available_by_name() -> None:
-    from kvpilot.geometry import resolve_geometry
-    from kvpilot.hardware import parse_node
-    from kvpilot.plan import pause_inputs
+    from kvpilot.sizing.geometry import resolve_geometry
+    from kvpilot.sizing.hardware import parse_node
+    from kvpilot.sizing.plan import pause_inputs
 
     inputs = pause_inputs(resolve_geometry("llama-3-8b"), parse_node("h100"), 1, 4096, 10.0)
     actions = {name: make_pause_policy(name).decide(inputs).action for name in POLICY_NAMES}

@@ -5,10 +5,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvpilot.errors import ConfigError
-from kvpilot.geometry import PRESETS
-from kvpilot.hardware import ACCELERATORS, GIB, parse_node
-from kvpilot.plan import PlanConfig, block_sizing, make_plan, max_concurrency, memory_budget
 from kvpilot.policy.breakeven import PauseAction
+from kvpilot.sizing.geometry import PRESETS
+from kvpilot.sizing.hardware import ACCELERATORS, GIB, parse_node
+from kvpilot.sizing.plan import PlanConfig, block_sizing, make_plan, max_concurrency, memory_budget
 
 LLAMA_70B = PRESETS["llama-3-70b"]
 KIB = 1024

@@ -10,10 +10,10 @@ import typer
 from fastapi.testclient import TestClient
 from typer.testing import CliRunner
 
+from kvpilot.cli import serve as cli_serve
+from kvpilot.cli.serve import ServeOptions, build_app, serve
 from kvpilot.errors import ConfigError
 from kvpilot.policy.pause import POLICY_NAMES
-from kvpilot.server import cli_serve
-from kvpilot.server.cli_serve import ServeOptions, build_app, serve
 
 
 def test_kv_memory_and_kv_blocks_are_mutually_exclusive() -> None:

@@ -14,9 +14,9 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvpilot.cli.serve import ServeOptions, build_app
 from kvpilot.engine import Engine
 from kvpilot.server.background import BackgroundServer
-from kvpilot.server.cli_serve import ServeOptions, build_app
 
 FIRST = "You are a coding agent. The test suite fails; find out why. " * 6  # ~360 tokens
 TOOL_RESULT = "Tool result (pytest): 3 failed, 41 passed. "

@@ -9,8 +9,9 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from kvpilot.cli_sim import parse_duration, sim
+from kvpilot.cli.sim import sim
 from kvpilot.errors import ConfigError
+from kvpilot.units import parse_duration
 
 SMALL = """\
 arrival: {concurrent: 6, ramp_s: 2}

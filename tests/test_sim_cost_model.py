@@ -8,8 +8,6 @@ import pytest
 
 from kvpilot.engine.executor import SeqWork
 from kvpilot.errors import ConfigError
-from kvpilot.geometry import ModelGeometry, resolve_geometry
-from kvpilot.hardware import Accelerator, Node, parse_node
 from kvpilot.sim.cost_model import (
     PROFILE_FEATURES,
     BatchShape,
@@ -19,6 +17,8 @@ from kvpilot.sim.cost_model import (
     batch_shape,
     shape_of,
 )
+from kvpilot.sizing.geometry import ModelGeometry, resolve_geometry
+from kvpilot.sizing.hardware import Accelerator, Node, parse_node
 
 # Napkin Math 0.5: 70B parameters in 16-bit (140 GB), 800 TFLOP/s, 3.0 TB/s, one device.
 NAPKIN_MODEL = ModelGeometry("napkin-70b", 80, 8, 128, 70e9, "bf16", "bf16", 8192, 64)

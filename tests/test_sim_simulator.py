@@ -11,9 +11,6 @@ from kvpilot.engine.clock import VirtualClock
 from kvpilot.engine.config import EngineConfig
 from kvpilot.engine.engine import Engine
 from kvpilot.errors import ConfigError
-from kvpilot.geometry import resolve_geometry
-from kvpilot.hardware import parse_node
-from kvpilot.plan import max_concurrency
 from kvpilot.sim.build import SimSetup, build_engine, kv_pool_blocks, run_simulation
 from kvpilot.sim.cost_model import CalibratedCostModel, StepProfile
 from kvpilot.sim.drivers import ReplayDriver
@@ -22,6 +19,9 @@ from kvpilot.sim.replay import ReplayCall, ReplaySession
 from kvpilot.sim.runner import SimulatedRunner
 from kvpilot.sim.simulator import Simulator
 from kvpilot.sim.workload import WorkloadConfig
+from kvpilot.sizing.geometry import resolve_geometry
+from kvpilot.sizing.hardware import parse_node
+from kvpilot.sizing.plan import max_concurrency
 
 FOREVER = {"forever": {"weight": 1, "wait": 1e9}}
 

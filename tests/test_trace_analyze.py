@@ -9,7 +9,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from kvpilot.cli_sim import trace_analyze
+from kvpilot.cli.sim import trace_analyze
 from kvpilot.errors import ConfigError
 from kvpilot.trace.analyze import (
     DEFAULT_ZONES,

@@ -20,9 +20,6 @@ from kvpilot.engine.clock import VirtualClock
 from kvpilot.engine.config import EngineConfig
 from kvpilot.engine.engine import Engine
 from kvpilot.errors import ConfigError
-from kvpilot.geometry import ModelGeometry, resolve_geometry
-from kvpilot.hardware import Node, parse_node
-from kvpilot.plan import DEFAULT_RESERVE_BYTES_PER_DEVICE, block_sizing, memory_budget
 from kvpilot.sim.cost_model import (
     CalibratedCostModel,
     RooflineCostModel,
@@ -37,6 +34,9 @@ from kvpilot.sim.runner import SimulatedRunner
 from kvpilot.sim.simulator import Simulator
 from kvpilot.sim.transport import SimulatedTransport
 from kvpilot.sim.workload import WorkloadConfig
+from kvpilot.sizing.geometry import ModelGeometry, resolve_geometry
+from kvpilot.sizing.hardware import Node, parse_node
+from kvpilot.sizing.plan import DEFAULT_RESERVE_BYTES_PER_DEVICE, block_sizing, memory_budget
 
 DEFAULT_MAX_MODEL_LEN = 131072
 

@@ -33,8 +33,8 @@ from typing import Protocol
 
 from kvpilot.engine.executor import SeqWork
 from kvpilot.errors import ConfigError
-from kvpilot.geometry import ModelGeometry
-from kvpilot.hardware import Node
+from kvpilot.sizing.geometry import ModelGeometry
+from kvpilot.sizing.hardware import Node
 
 PROFILE_KIND = "kvpilot-step-profile"
 PROFILE_VERSION = 1

@@ -24,12 +24,12 @@ import numpy as np
 from matplotlib.colors import ListedColormap
 from matplotlib.figure import Figure
 
-from kvpilot.geometry import ModelGeometry
-from kvpilot.hardware import Node
-from kvpilot.plan import DEFAULT_RESERVE_BYTES_PER_DEVICE, max_concurrency, memory_budget
-from kvpilot.plan import pause_inputs as plan_pause_inputs
 from kvpilot.policy.breakeven import PauseAction, decide_pause
 from kvpilot.sim.report import SimResult
+from kvpilot.sizing.geometry import ModelGeometry
+from kvpilot.sizing.hardware import Node
+from kvpilot.sizing.plan import DEFAULT_RESERVE_BYTES_PER_DEVICE, max_concurrency, memory_budget
+from kvpilot.sizing.plan import pause_inputs as plan_pause_inputs
 from kvpilot.trace.analyze import TraceDiagnosis
 
 _ACTION_ORDER = (

@@ -5,41 +5,14 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-import re
 from typing import Any
 
 from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from kvpilot.errors import ConfigError
-from kvpilot.memory.frag_lab import FragReport, ScenarioResult
-from kvpilot.plan import Plan
-
-_UNITS: dict[str, int] = {
-    "": 1,
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 1 << 10,
-    "mib": 1 << 20,
-    "gib": 1 << 30,
-    "tib": 1 << 40,
-}
-_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
-
-
-def parse_bytes(text: str) -> float:
-    """'20GB' -> 2e10, '2.5GiB' -> 2.5 * 2**30, '640KiB', '64GB/s' (bandwidth), '1024' (bytes)."""
-    match = _SIZE_RE.match(text.removesuffix("/s").removesuffix("ps"))
-    unit = match.group(2).lower() if match else ""
-    if match is None or unit not in _UNITS:
-        raise ConfigError(
-            f"cannot read size {text!r}: write a number with a unit, e.g. 20GB, 2.5GiB, 640KiB"
-        )
-    return float(match.group(1)) * _UNITS[unit]
+from kvpilot.sizing.frag_lab import FragReport, ScenarioResult
+from kvpilot.sizing.plan import Plan
 
 
 def to_jsonable(value: Any) -> Any:

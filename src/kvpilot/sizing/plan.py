@@ -11,9 +11,9 @@ import math
 from dataclasses import dataclass
 
 from kvpilot.errors import ConfigError
-from kvpilot.geometry import ModelGeometry
-from kvpilot.hardware import Node
 from kvpilot.policy.breakeven import PauseDecision, PauseInputs, decide_pause
+from kvpilot.sizing.geometry import ModelGeometry
+from kvpilot.sizing.hardware import Node
 
 DEFAULT_CONTEXTS: tuple[int, ...] = (8192, 32768, 131072)
 DEFAULT_SHARED_TOKENS = 24576

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -20,26 +19,14 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 from kvpilot.errors import ConfigError, KvpilotError
+from kvpilot.units import parse_duration
 
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|min|h|d)?\s*$", re.IGNORECASE)
-_UNITS = {"ms": 1e-3, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0, "d": 86400.0}
 MINISWE_RELATIVE = Path("traces") / "lmcache-agent-trace" / "miniswe"
-
-
-def parse_duration(text: str) -> float:
-    """Seconds from "3600", "90s", "30m", "1.5h" or "1d"."""
-    match = _DURATION.match(text)
-    if match is None:
-        raise ConfigError(f"cannot read duration {text!r}: write e.g. 3600, 90s, 30m, 1h")
-    value = float(match.group(1)) * _UNITS[(match.group(2) or "s").lower()]
-    if value <= 0:
-        raise ConfigError(f"duration must be positive, got {text!r}")
-    return value
 
 
 def default_miniswe_dir() -> Path | None:
     """``../shared/traces/lmcache-agent-trace/miniswe`` next to the repository, if present."""
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     for base in (root.parent / "shared", root / "shared"):
         if (base / MINISWE_RELATIVE).is_dir():
             return base / MINISWE_RELATIVE

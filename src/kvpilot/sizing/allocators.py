@@ -7,7 +7,7 @@ buddy allocation, and paged allocation. Each reports the spec's three metrics:
     eta_effective = useful bytes / pool bytes
 "A piece that can serve" follows each allocator: a free slot (static), a free buddy block of
 the request's rounded size (buddy), a free block (paged). `holes()` lists the maximal runs of
-contiguous free bytes in address order, the spec's H_k. `kvpilot.memory.frag_lab` runs them
+contiguous free bytes in address order, the spec's H_k. `kvpilot.sizing.frag_lab` runs them
 under workloads and the spec's scenarios.
 
 Pure Python: the allocators model addresses, not memory.

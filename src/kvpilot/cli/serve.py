@@ -91,7 +91,7 @@ def build_app(options: ServeOptions) -> FastAPI:
 def _size(text: str | None) -> int | None:
     if text is None:
         return None
-    from kvpilot.cli_format import parse_bytes
+    from kvpilot.units import parse_bytes
 
     return int(parse_bytes(text))
 

@@ -3,7 +3,7 @@
 After the sizing part (`kvpilot plan`, `kvpilot frag`, run by the CLI), this starts
 ``kvpilot serve`` with the built-in ``tiny`` model in a child process: a device KV pool small
 enough that paused sessions compete for it, a host tier, a disk tier in a temporary folder,
-and the break-even pause policy. An agent-style client (`kvpilot.demo_client`) replays a few
+and the break-even pause policy. An agent-style client (`kvpilot.demo.client`) replays a few
 recorded miniswe sessions through it, each turn sent as the new part of the session with
 the coming tool call and its wait. Every turn prints its cached tokens (and the tier they
 came back from) and the pause decision with its reason; a summary compares the hit rate
@@ -29,7 +29,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from kvpilot.demo_client import (
+from kvpilot.demo.client import (
     TIERS,
     AgentClient,
     AgentScript,
@@ -48,7 +48,7 @@ DIRECTIONS = ("device_to_host", "host_to_device", "device_to_disk", "disk_to_dev
 def default_trace_dir() -> Path | None:
     """``../shared/traces/...`` next to the repository (from the working directory or from
     this checkout), if it is there."""
-    repo = Path(__file__).resolve().parents[2]
+    repo = Path(__file__).resolve().parents[3]
     for base in (Path.cwd().parent, repo.parent):
         if (base / TRACE_DIR).is_dir():
             return base / TRACE_DIR

@@ -1,6 +1,6 @@
 """The fragmentation lab: the baseline allocators under churn and the spec's scenarios A and B.
 
-A saturated FCFS server (`Workload`) drives each allocator of `kvpilot.memory.baselines`
+A saturated FCFS server (`Workload`) drives each allocator of `kvpilot.sizing.allocators`
 round by round; `FragReport` averages the spec's metrics over the rounds. `spec_scenarios()`
 rebuilds Napkin Math 0.2's static (A) and buddy (B) pools and probes them with its request.
 """
@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from kvpilot.errors import ConfigError
-from kvpilot.memory.baselines import (
+from kvpilot.sizing.allocators import (
     GIB,
     KIB,
     MIB,

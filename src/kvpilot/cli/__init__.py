@@ -53,10 +53,11 @@ def plan(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Size KV memory: bytes per token, pool, concurrency, blocks, and the pause decision."""
-    from kvpilot.cli_format import parse_bytes, render_plan, to_jsonable
-    from kvpilot.geometry import resolve_geometry
-    from kvpilot.hardware import parse_node
-    from kvpilot.plan import DEFAULT_BLOCK_SIZES, DEFAULT_CONTEXTS, PlanConfig, make_plan
+    from kvpilot.cli.format import render_plan, to_jsonable
+    from kvpilot.sizing.geometry import resolve_geometry
+    from kvpilot.sizing.hardware import parse_node
+    from kvpilot.sizing.plan import DEFAULT_BLOCK_SIZES, DEFAULT_CONTEXTS, PlanConfig, make_plan
+    from kvpilot.units import parse_bytes
 
     def opt(text: str | None) -> float | None:
         return None if text is None else parse_bytes(text)
@@ -111,9 +112,10 @@ def frag(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Compare static, buddy and paged KV allocators: efficiency, fragmentation, concurrency."""
-    from kvpilot.cli_format import parse_bytes, render_frag, to_jsonable
+    from kvpilot.cli.format import render_frag, to_jsonable
     from kvpilot.errors import ConfigError
-    from kvpilot.memory.frag_lab import Workload, compare_allocators, spec_scenarios
+    from kvpilot.sizing.frag_lab import Workload, compare_allocators, spec_scenarios
+    from kvpilot.units import parse_bytes
 
     try:
         try:
@@ -149,7 +151,7 @@ def demo(
     model: Annotated[str, typer.Option(help="Checkpoint folder, or the built-in tiny.")] = "tiny",
 ) -> None:
     """The main job on built-in defaults: plan, frag, then the engine on `tiny`."""
-    from kvpilot.demo import run_engine_demo
+    from kvpilot.demo.run import run_engine_demo
 
     console = Console()
     console.rule("[bold]kvpilot plan: Llama-3-70B on 8xH100, 8k/32k/128k, a 45 s pause")
@@ -163,8 +165,8 @@ def demo(
 
 
 def _register_optional_commands() -> None:
-    from kvpilot.cli_sim import calibrate, sim, trace_analyze
-    from kvpilot.server.cli_serve import serve
+    from kvpilot.cli.serve import serve
+    from kvpilot.cli.sim import calibrate, sim, trace_analyze
 
     app.command("serve")(serve)
     app.command()(sim)

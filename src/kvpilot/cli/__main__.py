@@ -1,0 +1,5 @@
+"""`python -m kvpilot.cli`."""
+
+from kvpilot.cli import main
+
+main()

@@ -1,0 +1,1 @@
+"""`kvpilot demo`: the main job on built-in defaults."""

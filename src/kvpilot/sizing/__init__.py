@@ -1,0 +1,1 @@
+"""Sizing: model geometry, accelerator presets, the capacity plan and the allocator lab."""
