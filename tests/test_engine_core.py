@@ -10,7 +10,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvpilot.engine import Engine, EngineConfig, SamplingParams, VirtualClock
-from kvpilot.errors import InvalidRequest, PromptTooLong
+from kvpilot.errors import (
+    InvalidRequest,
+    PromptTooLong,
+    SessionBusy,
+    SessionNotFound,
+    SessionQuotaExceeded,
+)
 
 from fake_executor import FakeExecutor, oracle_generate
 
@@ -250,20 +256,45 @@ def test_session_misuse_is_rejected() -> None:
     engine = make_engine()
     session = engine.open_session()
     session.submit(prompt(1, 10), SamplingParams(max_tokens=3))
-    with pytest.raises(InvalidRequest, match="running"):
+    with pytest.raises(SessionBusy, match="running"):
         session.submit(prompt(2, 10))
-    with pytest.raises(InvalidRequest, match="fork"):
+    with pytest.raises(SessionBusy, match="fork"):
         session.fork(2)
+    with pytest.raises(SessionBusy, match="rewind"):
+        session.rewind(3)
     run_checked(engine)
     with pytest.raises(InvalidRequest, match="n > 1"):
         session.submit(prompt(3, 5), SamplingParams(n=2))
     assert engine.get_session(session.session_id) is session
     session.close()
-    with pytest.raises(InvalidRequest, match="closed"):
+    with pytest.raises(SessionNotFound, match="closed"):
         session.submit(prompt(3, 5))
-    with pytest.raises(InvalidRequest, match="unknown session"):
+    with pytest.raises(SessionNotFound, match="unknown session"):
         engine.get_session(session.session_id)
     assert_all_blocks_free(engine)
+
+
+def test_session_errors_are_invalid_requests_the_server_already_maps() -> None:
+    for error in (SessionNotFound, SessionBusy, SessionQuotaExceeded):
+        assert issubclass(error, InvalidRequest)
+
+
+def test_session_table_is_the_one_registry_of_open_sessions() -> None:
+    engine = make_engine()
+    a = engine.open_session(session_id="agent-a")
+    b = engine.open_session()
+    assert set(engine.sessions) == {"agent-a", b.session_id} and len(engine.sessions) == 2
+    assert engine.sessions["agent-a"] is a and engine.sessions.get("nope") is None
+    with pytest.raises(InvalidRequest, match="already in use"):
+        engine.open_session(session_id="agent-a")
+    a.generate(prompt(1, 40), SamplingParams(max_tokens=3))
+    (child,) = a.fork()
+    assert engine.sessions[child.session_id] is child and child.turns == a.turns == 1
+    assert [s.session_id for s in engine.sessions.idle()] == ["agent-a", child.session_id]
+    engine.check_invariants()
+    a.traj.close()  # behind the table's back: its audit notices
+    with pytest.raises(AssertionError, match="closed trajectory"):
+        engine.sessions.check_invariants()
 
 
 def test_abort_frees_blocks() -> None:

@@ -149,3 +149,29 @@ def test_check_invariants_catches_shared_prefix_that_differs_from_locked_path() 
     a.block_table[0], b.block_table[0] = b.block_table[0], a.block_table[0]
     with pytest.raises(AssertionError, match="locked path"):
         mgr.check_invariants()
+
+
+def test_fork_or_defer_forks_when_it_can() -> None:
+    mgr = make_manager()
+    parent = mgr.open_trajectory()
+    turn(parent, range(10))
+    result = mgr.fork_or_defer(parent)
+    assert not result.deferred and result.copy is not None
+    assert result.child.num_computed_tokens == 10
+    mgr.check_invariants()
+
+
+def test_fork_or_defer_defers_when_asked_or_out_of_blocks() -> None:
+    mgr = make_manager(device=4)
+    parent = mgr.open_trajectory()
+    turn(parent, range(10))  # 3 blocks, the last one partial
+    asked = mgr.fork_or_defer(parent, defer=True)
+    assert asked.deferred and asked.copy is None
+    assert asked.child.tokens == parent.tokens and asked.child.num_computed_tokens == 0
+    assert parent.locked_tokens == 8  # the parent's full blocks were committed for the child
+    assert asked.child.reuse_prefix() == 8
+    taken = mgr.device.allocate(mgr.device.num_free)  # no block left for a tail copy
+    short = mgr.fork_or_defer(parent)
+    assert short.deferred and short.child.num_computed_tokens == 0
+    mgr.device.free(taken)
+    mgr.check_invariants()

@@ -29,6 +29,18 @@ class PromptTooLong(InvalidRequest):
     """The prompt (plus requested output) does not fit the model's context."""
 
 
+class SessionNotFound(InvalidRequest):
+    """No open session has this id (it was never opened, or it was closed)."""
+
+
+class SessionBusy(InvalidRequest):
+    """The session is running a turn; the operation waits for it to finish (or fork it)."""
+
+
+class SessionQuotaExceeded(InvalidRequest):
+    """Opening another session would exceed its owner's limit of open sessions."""
+
+
 class ModelLoadError(KvpilotError):
     """A model folder is missing, unreadable, or its config is malformed."""
 

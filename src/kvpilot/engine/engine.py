@@ -1,40 +1,45 @@
 """The engine: requests in, a step loop over the scheduler and an executor, outputs out.
 
 The engine owns no model code and never reads wall time (it asks its `Clock`), so the
-simulator drives this same loop with a simulated executor on virtual time.
+simulator drives this same loop with a simulated executor on virtual time. Sessions live in
+a `SessionTable`, pauses and tiers in the `OffloadManager`, admission in the `Scheduler`:
+this module is the step loop and the request lifecycle around it.
 """
 
 from __future__ import annotations
 
 import itertools
-import math
 import random
 from collections.abc import Iterable
 from collections.abc import Sequence as Seq
 from pathlib import Path
-from typing import Any
-
-import numpy as np
+from typing import TYPE_CHECKING, Any
 
 from kvpilot.engine.clock import Clock, WallClock
 from kvpilot.engine.config import EngineConfig
 from kvpilot.engine.executor import Executor, TierTransport
 from kvpilot.engine.offload import OffloadManager
-from kvpilot.engine.outputs import as_prompt_list, decode, find_stop, seq_text, snapshot
+from kvpilot.engine.outputs import as_prompt_list, snapshot, stop_reason
 from kvpilot.engine.request import (
     Request,
+    RequestLimits,
     RequestOutput,
     SeqStatus,
     Sequence,
+    encode_prompt,
+    pause_hint,
 )
 from kvpilot.engine.sampling import SamplingParams
-from kvpilot.engine.scheduler import Scheduler, SchedulerOutput
-from kvpilot.engine.session import Session
+from kvpilot.engine.scheduler import AdmissionHooks, Scheduler, SchedulerOutput
+from kvpilot.engine.session import Session, SessionTable
 from kvpilot.engine.stats import EngineStats
-from kvpilot.errors import InvalidRequest, OutOfBlocks, PromptTooLong
+from kvpilot.errors import InvalidRequest
 from kvpilot.memory import KVConfig, KVManager
 from kvpilot.policy.breakeven import PauseDecision
 from kvpilot.policy.pause import make_pause_policy
+
+if TYPE_CHECKING:
+    from kvpilot.store import DiskBlockStore, SessionStore
 
 
 class Engine:
@@ -51,6 +56,8 @@ class Engine:
         vocab_size: int | None = None,
         clock: Clock | None = None,
         transport: TierTransport | None = None,
+        disk: DiskBlockStore | None = None,
+        session_store: SessionStore | None = None,
     ) -> None:
         self.config = config or EngineConfig()
         self.executor = executor
@@ -60,6 +67,9 @@ class Engine:
         limits = [x for x in (self.config.max_model_len, max_model_len) if x]
         self.max_model_len = min(limits) if limits else 1 << 30
         self.vocab_size = vocab_size
+        self.limits = RequestLimits(
+            self.max_model_len, vocab_size, executor.num_blocks, executor.block_size
+        )
         host_blocks = transport.num_host_blocks if transport is not None else 0
         self.kv = KVManager(
             KVConfig(
@@ -69,105 +79,54 @@ class Engine:
             ),
             clock=self.clock.now,
         )
-        self.scheduler = Scheduler(self.config, self.kv, reclaim_idle=self._reclaim_idle)
-        self.scheduler.admission_gate = self._admission_gate
-        self.scheduler.on_admit = self._on_admit
-        self.offload = self._make_offload(transport)
         self.stats = EngineStats()
-        self.requests: dict[str, Request] = {}
-        self.sessions: dict[str, Session] = {}
-        self._seq_ids = itertools.count()
-        self._request_ids = itertools.count()
-        self._session_ids = itertools.count()
-        self._rng = random.Random(self.config.seed)
-        self._finished_outputs: dict[str, RequestOutput] = {}
-
-    # -- construction -----------------------------------------------------------------
-
-    def _make_offload(self, transport: TierTransport | None) -> OffloadManager:
         cfg = self.config
-        disk = sessions = None
-        if cfg.disk_dir is not None and transport is not None:
-            from kvpilot.store import DiskBlockStore, SessionStore
-
-            disk = DiskBlockStore(Path(cfg.disk_dir), cfg.disk_kv_blocks, transport.block_bytes)
-            sessions = SessionStore(Path(cfg.disk_dir))
-        return OffloadManager(
+        self.offload = OffloadManager(
             self.kv,
             make_pause_policy(cfg.pause_policy, ttl_s=cfg.pause_ttl_s),
             self.clock.now,
             transport=transport,
             disk=disk,
-            session_store=sessions,
+            session_store=session_store,
             default_wait_s=cfg.default_tool_wait_s,
             prefetch=cfg.prefetch,
-            pressure=self._memory_pressure,
+            pressure=lambda: self.scheduler.memory_pressure(),
         )
+        self.sessions = SessionTable(
+            self.kv, self.offload, executor, self.clock.now, self.stats, runner=self
+        )
+        hooks = AdmissionHooks(
+            reclaim_idle=self.sessions.reclaim_idle,
+            ensure_resident=self.offload.ensure_resident,
+            on_admit=self.offload.on_admit,
+        )
+        self.scheduler = Scheduler(self.config, self.kv, hooks)
+        self.requests: dict[str, Request] = {}
+        self._seq_ids = itertools.count()
+        self._request_ids = itertools.count()
+        self._rng = random.Random(self.config.seed)
+        self._finished_outputs: dict[str, RequestOutput] = {}
 
-    def _memory_pressure(self) -> float:
-        """Shadow price of device memory: 1 while work waits, else usage against tau_high."""
-        if any(s.prefix_reused for s in self.scheduler.waiting):
-            return 1.0
-        return min(1.0, self.scheduler.held_usage() / self.config.tau_high)
+    # -- construction -----------------------------------------------------------------
 
     @classmethod
     def from_pretrained(
         cls, model: str | Path = "tiny", *, clock: Clock | None = None, **options: Any
     ) -> Engine:
-        """Load a checkpoint folder (or the built-in ``tiny``) and build an engine on it."""
-        from kvpilot.model import ModelRunner
+        """Load a checkpoint folder (or the built-in ``tiny``) and build an engine on it.
+
+        ``options`` are `EngineConfig` fields (and ``cache_dir``); see `kvpilot.model.build`.
+        """
+        from kvpilot.model.build import build_engine
 
         cache_dir = options.pop("cache_dir", None)
         config = EngineConfig.from_kwargs(**options)
-        kv_memory = config.kv_memory_bytes
-        if config.kv_blocks is None and kv_memory is None:
-            kv_memory = 1 << 30
-        runner = ModelRunner(
-            model,
-            num_blocks=config.kv_blocks,
-            kv_memory_bytes=None if config.kv_blocks is not None else kv_memory,
-            block_size=config.block_size,
-            dtype=config.dtype,
-            device=config.device,
-            attention=config.attention,
-            cache_dir=cache_dir,
-        )
-        transport = None
-        if config.has_tiers:
-            from kvpilot.model.transfer import TorchTierTransport
-
-            host_blocks = config.host_kv_blocks or (
-                (config.host_memory_bytes or 0) // runner.kv_bytes_per_block
-            )
-            transport = TorchTierTransport(runner.kv_cache, host_blocks)
-        return cls(
-            runner,
-            config,
-            tokenizer=runner.tokenizer,
-            eos_token_ids=runner.eos_token_ids,
-            max_model_len=runner.max_model_len,
-            vocab_size=runner.config.vocab_size,
-            clock=clock,
-            transport=transport,
-        )
+        return build_engine(model, config, clock=clock, cache_dir=cache_dir)
 
     # -- requests ---------------------------------------------------------------------
 
     def encode(self, prompt: str | Seq[int], *, add_special_tokens: bool = True) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise InvalidRequest("this engine has no tokenizer: send token ids")
-            return list(self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
-        try:
-            arr = np.asarray(prompt)
-        except (TypeError, ValueError) as exc:
-            raise InvalidRequest(f"a prompt is a string or a list of token ids: {exc}") from exc
-        if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
-            raise InvalidRequest(
-                "a prompt is a string or a flat list of integer token ids "
-                f"(got {arr.dtype.name} values{' nested' if arr.ndim > 1 else ''})"
-            )
-        return arr.tolist()
+        return encode_prompt(self.tokenizer, prompt, add_special_tokens=add_special_tokens)
 
     def add_request(
         self,
@@ -183,24 +142,15 @@ class Engine:
         """Queue a request (or a session's next turn); returns its id."""
         params = params or SamplingParams()
         if session is not None:
-            session._check_open()
-            if session.active_request is not None:
-                raise InvalidRequest(
-                    f"session {session.session_id} is running turn {session.active_request}"
-                )
-            if params.n != 1:
-                raise InvalidRequest("n > 1 is not allowed on a session turn: fork the session")
+            self.sessions.check_turn(session, params)
             salt = session.salt
-        first_turn = session is None or not session.traj.tokens
-        tokens = self.encode(prompt, add_special_tokens=first_turn)
-        if not tokens:
-            raise InvalidRequest("the prompt is empty")
-        self.validate_tokens(tokens)
         history = len(session.traj.tokens) if session is not None else 0
-        self.check_fits(history + len(tokens), history)
+        tokens = self.encode(prompt, add_special_tokens=history == 0)
+        self.limits.check_prompt(tokens, history)
         rid = request_id or f"req-{next(self._request_ids)}"
         if rid in self.requests:
             raise InvalidRequest(f"request id {rid!r} is already in use")
+        hint = pause_hint(expected_tool_wait_s, tool, on_session=session is not None)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(31)
         request = Request(
             request_id=rid,
@@ -211,23 +161,10 @@ class Engine:
             session_id=session.session_id if session else None,
             salt=salt,
             history_tokens=history,
+            pause_hint=hint,
         )
-        if expected_tool_wait_s is not None or tool is not None:
-            if session is None:
-                raise InvalidRequest("expected_tool_wait_s and tool need a session")
-            if expected_tool_wait_s is not None and not 0 <= expected_tool_wait_s < math.inf:
-                raise InvalidRequest(
-                    "expected_tool_wait_s must be a finite, non-negative number of seconds"
-                )
-            request.pause_hint = (expected_tool_wait_s, tool)
         if session is not None:
-            if self.offload.record_for(session.session_id) is not None:
-                request.resumed = True
-                self.offload.on_resume(session)
-            traj = session.traj
-            traj.append_tokens(tokens)
-            session.active_request = rid
-            session.turns += 1
+            traj = self.sessions.begin_turn(session, request, tokens)
         else:
             traj = self.kv.open_trajectory(salt=salt, tokens=tokens)
         seq = Sequence(next(self._seq_ids), request, traj, index=0, seed=seed)
@@ -235,31 +172,6 @@ class Engine:
         self.requests[rid] = request
         self.scheduler.add(seq)
         return rid
-
-    def check_fits(self, total: int, history: int = 0) -> None:
-        """PromptTooLong unless a context of ``total`` tokens leaves room to generate."""
-        if total >= self.max_model_len:
-            raise PromptTooLong(
-                f"prompt of {total} tokens (history {history} + new {total - history}) leaves "
-                f"no room to generate within the model context of {self.max_model_len} tokens"
-            )
-        capacity = self.kv.device.num_blocks * self.kv.block_size
-        if total + 1 > capacity:
-            raise PromptTooLong(
-                f"prompt of {total} tokens exceeds the KV pool of {capacity} tokens "
-                f"({self.kv.device.num_blocks} blocks of {self.kv.block_size}): give the "
-                "engine more KV memory"
-            )
-
-    def validate_tokens(self, tokens: list[int]) -> None:
-        """InvalidRequest unless every token id is in the model's vocabulary."""
-        limit = self.vocab_size
-        low, high = min(tokens), max(tokens)
-        if low < 0 or (limit is not None and high >= limit):
-            bad = [t for t in tokens if t < 0 or (limit is not None and t >= limit)]
-            raise InvalidRequest(
-                f"token id(s) {bad[:5]} out of range [0, {limit}) for this model's vocabulary"
-            )
 
     def abort(self, request_id: str) -> None:
         request = self.requests.get(request_id)
@@ -280,7 +192,7 @@ class Engine:
     def step(self, *, snapshots: bool = True) -> list[RequestOutput]:
         """Run one scheduled batch; returns a snapshot of every request that progressed
         (with ``snapshots=False``, only of those that finished: the simulator's fast path)."""
-        self.offload.poll(self._idle_sessions)
+        self.offload.poll(self.sessions.idle)
         sched = self.scheduler.schedule()
         for seq in sched.starved:
             # Alone in the pool and still no block to grow into: end it rather than spin.
@@ -293,35 +205,24 @@ class Engine:
         start = self.clock.now()
         result = self.executor.execute(sched.works)
         now = self.clock.now()
-        self.stats.steps += 1
-        self.stats.step_time_s += now - start
-        self.stats.prefill_tokens += sched.num_prefill_tokens
-        self.stats.decode_tokens += sched.num_decode_tokens
+        self.stats.observe_step(now - start, sched.num_prefill_tokens, sched.num_decode_tokens)
         if sched.num_prefill_tokens:
             context = max(w.start_pos + len(w.token_ids) for w in sched.works)
             self.offload.observe_step(sched.num_prefill_tokens, now - start, context)
         return self._process(sched, result.tokens, now, snapshots)
 
     def _process(
-        self,
-        sched: SchedulerOutput,
-        sampled: dict[int, list[int]],
-        now: float,
-        snapshots: bool = True,
+        self, sched: SchedulerOutput, sampled: dict[int, list[int]], now: float, snapshots: bool
     ) -> list[RequestOutput]:
         block = self.kv.block_size
+        caching = self.config.enable_prefix_caching
         progressed: dict[str, Request] = {}
         for item in sched.scheduled:
             seq = item.seq
             traj = seq.traj
             traj.mark_computed(item.num_tokens)
-            high = self.offload.high_water
-            if high.get(traj.traj_id, 0) < traj.num_computed_tokens:
-                high[traj.traj_id] = traj.num_computed_tokens
-            if (
-                self.config.enable_prefix_caching
-                and traj.num_computed_tokens // block > traj.locked_tokens // block
-            ):
+            self.offload.observe_computed(traj)
+            if caching and traj.num_computed_tokens // block > traj.locked_tokens // block:
                 traj.commit()
             if not item.sample:
                 continue
@@ -349,24 +250,15 @@ class Engine:
         # the queue (recomputing only their tail from the cache) instead of running now.
         gated = self.scheduler.held_usage() >= self.config.tau_high
         for index in range(1, len(tokens)):
-            child_traj, copy = None, None
-            if not gated:
-                try:
-                    fork = parent.traj.fork()
-                    child_traj, copy = fork.child, fork.copy
-                except OutOfBlocks:
-                    pass  # no block for the partial tail
-            if child_traj is None:
-                # Deferred: the branch waits in the queue and recomputes its tail from the cache.
-                parent.traj.commit()
-                child_traj = self.kv.open_trajectory(request.salt, parent.traj.tokens)
+            fork = self.kv.fork_or_defer(parent.traj, defer=gated)
+            if fork.deferred:
                 self.stats.gated_forks += 1
-            if copy is not None:
-                copies.append(copy)
+            if fork.copy is not None:
+                copies.append(fork.copy)
             child = Sequence(
-                next(self._seq_ids), request, child_traj, index=index, seed=request.seed + index
+                next(self._seq_ids), request, fork.child, index=index, seed=request.seed + index
             )
-            child.prefix_reused = child_traj.num_computed_tokens > 0
+            child.prefix_reused = fork.child.num_computed_tokens > 0
             request.seqs.append(child)
             children.append(child)
             self.stats.forks += 1
@@ -386,40 +278,13 @@ class Engine:
     def _append_token(self, seq: Sequence, token: int, now: float) -> None:
         seq.traj.append_token(token)
         seq.output_token_ids.append(token)
-        if seq.first_token_time is None:
-            seq.first_token_time = now
-            if seq.index == 0:
-                self.stats.ttft_s.append(now - seq.request.arrival_time)
-                if seq.request.resumed:
-                    self.offload.stats.resume_ttft_s.append(now - seq.request.arrival_time)
-        else:
-            self.stats.itl_s.append(now - (seq.last_token_time or now))
-        seq.last_token_time = now
-        self.stats.generated_tokens += 1
-        reason = self._stop_reason(seq, token)
+        if seq.first_token_time is None and seq.index == 0 and seq.request.resumed:
+            self.offload.observe_resume_ttft(now - seq.request.arrival_time)
+        self.stats.observe_token(seq, now)
+        reason = stop_reason(seq, token, self.eos_token_ids, self.tokenizer, self.max_model_len)
         if reason is not None:
             self.scheduler.remove(seq)
             self._finish_seq(seq, reason)
-
-    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
-        params = seq.request.params
-        if token in params.stop_token_ids or (
-            token in self.eos_token_ids and not params.ignore_eos
-        ):
-            return "stop"
-        if params.stop and self.tokenizer is not None:
-            text = self._decode(seq.output_token_ids)
-            window = len(seq.output_text) - max(len(s) for s in params.stop)
-            cut = find_stop(text, params.stop, max(0, window))
-            seq.output_text = text if cut is None else text[:cut]
-            if cut is not None:
-                seq.detok_offset = -1  # text is final
-                return "stop"
-        if len(seq.output_token_ids) >= params.max_tokens:
-            return "length"
-        if len(seq.traj.tokens) >= self.max_model_len:
-            return "length"
-        return None
 
     def _finish_seq(self, seq: Sequence, reason: str) -> None:
         seq.status = SeqStatus.FINISHED
@@ -433,34 +298,19 @@ class Engine:
             if not self.config.enable_prefix_caching:
                 seq.traj.release_kv(keep_in_cache=False)
             seq.traj.close()
-            self.offload.high_water.pop(seq.traj.traj_id, None)
+            self.offload.trajectory_closed(seq.traj)
 
     def _finish_request_if_done(self, request: Request) -> None:
         if not request.finished or request.request_id in self._finished_outputs:
             return
-        self.stats.requests_finished += 1
-        self.stats.prompt_tokens += request.history_tokens + len(request.prompt_token_ids)
-        self.stats.cached_tokens += request.cached_tokens
-        self.stats.e2e_s.append(self.clock.now() - request.arrival_time)
+        self.stats.observe_finished(request, self.clock.now())
         output = self._snapshot(request)
         self._finished_outputs[request.request_id] = output
         if request.session_id is not None:
-            session = self.sessions.get(request.session_id)
-            if session is not None:
-                session.active_request = None
-                session.last_used = self.clock.now()
-                session.last_output = output
-                if request.pause_hint is not None and not request.aborted:
-                    self.pause_session(session, *request.pause_hint)
+            self.sessions.end_turn(request, output)
         del self.requests[request.request_id]
 
     # -- outputs ----------------------------------------------------------------------
-
-    def _decode(self, token_ids: Seq[int]) -> str:
-        return decode(self.tokenizer, token_ids)
-
-    def _text(self, seq: Sequence) -> str:
-        return seq_text(self.tokenizer, seq)
 
     def _snapshot(self, request: Request) -> RequestOutput:
         done = self._finished_outputs.get(request.request_id)
@@ -505,113 +355,25 @@ class Engine:
             self.step()
         return [self.pop_output(rid) for rid in ids]
 
-    # -- sessions ---------------------------------------------------------------------
+    # -- sessions (the table does the work) -------------------------------------------
 
     def open_session(self, salt: str | None = None, session_id: str | None = None) -> Session:
-        sid = session_id or f"sess-{next(self._session_ids)}"
-        if sid in self.sessions:
-            raise InvalidRequest(f"session id {sid!r} is already in use")
-        stored = self.offload.session_store.load(sid) if self.offload.session_store else None
-        if stored is not None:
-            # A session paused before a restart: its tokens come back from SQLite, its KV
-            # from the disk tier (whatever is still there and verifies) on the next turn.
-            traj = self.kv.open_trajectory(salt=stored.salt, tokens=stored.tokens)
-            self.offload.restored(traj)
-            salt = stored.salt
-        else:
-            traj = self.kv.open_trajectory(salt=salt)
-        session = Session(self, sid, traj, salt)
-        self.sessions[sid] = session
-        return session
+        return self.sessions.open(salt, session_id)
+
+    def get_session(self, session_id: str) -> Session:
+        return self.sessions.require(session_id)
 
     def pause_session(
         self, session: Session, expected_wait_s: float | None = None, tool: str | None = None
     ) -> PauseDecision:
         """The agent went off to a tool: decide what to do with this session's KV."""
-        return self.offload.pause(session, expected_wait_s, tool)
-
-    def get_session(self, session_id: str) -> Session:
-        session = self.sessions.get(session_id)
-        if session is None:
-            raise InvalidRequest(f"unknown session {session_id!r}")
-        return session
+        return self.sessions.pause(session, expected_wait_s, tool)
 
     def fork_session(self, session: Session, n: int = 1) -> list[Session]:
-        session._check_open()
-        if session.active_request is not None:
-            raise InvalidRequest("cannot fork a session while a turn is running")
-        if n < 1:
-            raise InvalidRequest("fork needs n >= 1")
-        forks: list[Session] = []
-        copies: list[tuple[int, int]] = []
-        for _ in range(n):
-            try:
-                result = session.traj.fork()
-                traj = result.child
-                if result.copy is not None:
-                    copies.append(result.copy)
-            except OutOfBlocks:
-                session.traj.commit()
-                traj = self.kv.open_trajectory(session.salt, session.traj.tokens)
-            sid = f"{session.session_id}.{next(self._session_ids)}"
-            child = Session(self, sid, traj, session.salt)
-            child.turns = session.turns
-            self.sessions[sid] = child
-            forks.append(child)
-        if copies:
-            self.executor.copy_blocks(copies)
-            self.stats.fork_copied_blocks += len(copies)
-        self.stats.forks += n
-        return forks
+        return self.sessions.fork(session, n)
 
     def close_session(self, session: Session) -> None:
-        if session.closed:
-            return
-        if session.active_request is not None:
-            self.abort(session.active_request)
-        self.offload.forget(session)
-        session.traj.close()
-        session.closed = True
-        self.sessions.pop(session.session_id, None)
-
-    def _idle_sessions(self) -> list[Session]:
-        return [s for s in self.sessions.values() if s.idle and s.traj.block_table]
-
-    def _reclaim_idle(self, blocks_wanted: int) -> int:
-        """Memory pressure: idle sessions' KV gives way (demoted by the offload manager)."""
-        del blocks_wanted  # one session at a time; the scheduler asks again if short
-        return self.offload.reclaim(self._idle_sessions())
-
-    def _admission_gate(self, seq: Sequence) -> bool:
-        """Ready when the prefix is device-resident; short of room to load it, idle
-        sessions give way, then (with nothing running) other waiting work does."""
-        while True:
-            if self.offload.ensure_resident(seq.traj):
-                return True
-            if not self.offload.mover.short_of_memory:
-                return False  # its load is in flight
-            if self._reclaim_idle(0):
-                continue
-            if not self.scheduler.running and self.scheduler.release_waiting(seq):
-                continue
-            return False
-
-    def _on_admit(self, seq: Sequence) -> None:
-        traj = seq.traj
-        high = self.offload.high_water.get(traj.traj_id, 0)
-        lost = min(high, len(traj.tokens) - 1) - traj.num_computed_tokens
-        if lost > 0:
-            self.offload.stats.recomputed_tokens += lost
-        if seq.index == 0 and not seq.output_token_ids and seq.num_preemptions == 0:
-            loaded = self.offload.take_loaded(traj)
-            request = seq.request
-            host = min(loaded["host"], request.cached_tokens)
-            disk = min(loaded["disk"], request.cached_tokens - host)
-            request.cached_by_tier = {
-                "device": request.cached_tokens - host - disk,
-                "host": host,
-                "disk": disk,
-            }
+        self.sessions.close(session)
 
     def close(self) -> None:
         """Stop background copiers and close the disk tier (idempotent)."""
@@ -624,6 +386,7 @@ class Engine:
 
     def check_invariants(self) -> None:
         self.kv.check_invariants()
+        self.sessions.check_invariants()
         for seq in self.scheduler.running:
             assert seq.status is SeqStatus.RUNNING, f"seq {seq.seq_id} in running is {seq.status}"
             assert seq.traj.num_computed_tokens <= len(seq.traj.tokens)

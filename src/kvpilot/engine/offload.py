@@ -17,20 +17,34 @@ import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kvpilot.engine.executor import TierTransport
 from kvpilot.engine.tier_mover import TierMover
 from kvpilot.engine.tier_stats import PauseRecord, TierStats
 from kvpilot.errors import InvalidRequest
 from kvpilot.memory import KVManager, RadixNode, Tier, Trajectory
+from kvpilot.memory.residency import Residency
 from kvpilot.policy.breakeven import PauseAction, PauseDecision, PauseInputs
 from kvpilot.policy.meters import PrefillRateMeter, WaitPredictor
 from kvpilot.policy.pause import PausePolicy
 
 if TYPE_CHECKING:
-    from kvpilot.engine.session import Session
+    from kvpilot.engine.request import Sequence
     from kvpilot.store import DiskBlockStore, SessionStore
+    from kvpilot.store.session_store import StoredSession
+
+
+class PausableSession(Protocol):
+    """What the offload manager reads of a session (`kvpilot.engine.session.Session`)."""
+
+    session_id: str
+    traj: Trajectory
+    salt: str | None
+    active_request: str | None
+    closed: bool
+    last_used: float
+
 
 DEFAULT_PREFILL_TOKENS_PER_S = 2_000.0
 IDLE_SAMPLE_S = 1.0  # how often idle memory-time is re-measured (clock seconds)
@@ -111,15 +125,12 @@ class OffloadManager:
     # -- pausing --------------------------------------------------------------------------
 
     def pause(
-        self, session: Session, expected_wait_s: float | None = None, tool: str | None = None
+        self,
+        session: PausableSession,
+        expected_wait_s: float | None = None,
+        tool: str | None = None,
     ) -> PauseDecision:
-        if session.closed:
-            raise InvalidRequest(f"session {session.session_id} is closed")
-        if session.active_request is not None:
-            raise InvalidRequest(
-                f"session {session.session_id} is running turn {session.active_request}; "
-                "pause it when the turn has finished"
-            )
+        """Price the blocks only this (open, idle) session holds and apply the policy."""
         if expected_wait_s is not None and not (
             math.isfinite(expected_wait_s) and expected_wait_s >= 0
         ):
@@ -188,7 +199,7 @@ class OffloadManager:
         reason = f"drop: {why}; {decision.reason}"
         return dataclasses.replace(decision, action=PauseAction.DROP, reason=reason)
 
-    def _apply(self, session: Session, record: PauseRecord, nodes: list[RadixNode]) -> None:
+    def _apply(self, session: PausableSession, record: PauseRecord, nodes: list[RadixNode]) -> None:
         traj = session.traj
         action = record.action
         if action is PauseAction.RETAIN:
@@ -217,7 +228,7 @@ class OffloadManager:
             record.prefetch_at = record.expected_return - 2 * reload_s - 0.005
             self._at(record.prefetch_at, session.session_id, lambda: self._prefetch(session))
 
-    def _expire(self, session: Session) -> None:
+    def _expire(self, session: PausableSession) -> None:
         """A retain lease ran out (ttl): let the prefix cache decide from now on."""
         record = self.records.get(session.session_id)
         if record is None or record.state != "retained" or session.closed:
@@ -226,23 +237,55 @@ class OffloadManager:
             session.traj.release_kv(keep_in_cache=True)
             record.state = "cached"
 
-    def _prefetch(self, session: Session) -> None:
+    def _prefetch(self, session: PausableSession) -> None:
         record = self.records.get(session.session_id)
         if record is None or session.closed or record.state != "offloaded":
             return
         if session.active_request is not None:
             return
         record.state = "loading"
-        if self.mover.ensure_resident(session.traj, prefetch=True, session_id=session.session_id):
+        state = self.mover.ensure_resident(
+            session.traj, prefetch=True, session_id=session.session_id
+        )
+        if state is Residency.READY:
             session.traj.reuse_prefix(record=False)
             record.state = "prefetched"
 
     # -- resume ---------------------------------------------------------------------------
 
-    def ensure_resident(self, traj: Trajectory) -> bool:
+    def ensure_resident(self, traj: Trajectory) -> Residency:
         return self.mover.ensure_resident(traj)
 
-    def on_resume(self, session: Session) -> None:
+    def on_admit(self, seq: Sequence) -> None:
+        """A sequence was admitted: count the tokens it recomputes that were computed before,
+        and (on a request's first admission) which tier its cached prefix came from."""
+        traj = seq.traj
+        high = self.high_water.get(traj.traj_id, 0)
+        lost = min(high, len(traj.tokens) - 1) - traj.num_computed_tokens
+        if lost > 0:
+            self.stats.recomputed_tokens += lost
+        if seq.index == 0 and not seq.output_token_ids and seq.num_preemptions == 0:
+            loaded = self.mover.take_loaded(traj)
+            seq.request.set_cached_by_tier(loaded["host"], loaded["disk"])
+
+    def observe_computed(self, traj: Trajectory) -> None:
+        """The step loop computed KV for ``traj`` (its high-water mark, for recompute counts)."""
+        high = self.high_water
+        if high.get(traj.traj_id, 0) < traj.num_computed_tokens:
+            high[traj.traj_id] = traj.num_computed_tokens
+
+    def rewound(self, traj: Trajectory, num_tokens: int) -> None:
+        """``traj`` was cut back to ``num_tokens``: what follows the cut is new, not recomputed."""
+        if self.high_water.get(traj.traj_id, 0) > num_tokens:
+            self.high_water[traj.traj_id] = num_tokens
+
+    def trajectory_closed(self, traj: Trajectory) -> None:
+        self.high_water.pop(traj.traj_id, None)
+
+    def observe_resume_ttft(self, seconds: float) -> None:
+        self.stats.resume_ttft_s.append(seconds)
+
+    def on_resume(self, session: PausableSession) -> None:
         """A paused session's next turn arrived: learn the wait, score the prefetch."""
         record = self.records.pop(session.session_id, None)
         self._cancel_timers(session.session_id)
@@ -260,8 +303,9 @@ class OffloadManager:
     def record_for(self, session_id: str) -> PauseRecord | None:
         return self.records.get(session_id)
 
-    def take_loaded(self, traj: Trajectory) -> dict[str, int]:
-        return self.mover.take_loaded(traj)
+    def stored_session(self, session_id: str) -> StoredSession | None:
+        """The session saved when it paused before a restart, if there is a session store."""
+        return self.session_store.load(session_id) if self.session_store is not None else None
 
     def restored(self, traj: Trajectory) -> None:
         """A session came back from the session store: look for its blocks on disk."""
@@ -272,7 +316,7 @@ class OffloadManager:
     def busy(self) -> bool:
         return self.mover.busy()
 
-    def poll(self, idle: Callable[[], list[Session]]) -> None:
+    def poll(self, idle: Callable[[], list[PausableSession]]) -> None:
         """Finish transfers that are done, fire due timers, account idle memory-time."""
         now = self.now()
         if self.mover.transport is not None or self.records:
@@ -294,7 +338,7 @@ class OffloadManager:
             if not timer.cancelled:
                 timer.action()
 
-    def reclaim(self, idle: list[Session]) -> int:
+    def reclaim(self, idle: list[PausableSession]) -> int:
         """Memory pressure: demote the idle trajectory worth least per byte it holds.
 
         Value is nearness of return: the one expected back last goes first (never-paused
@@ -307,7 +351,7 @@ class OffloadManager:
             return 0
         now = self.now()
 
-        def next_use(s: Session) -> float:
+        def next_use(s: PausableSession) -> float:
             record = self.records.get(s.session_id)
             return record.expected_return if record is not None else now + (now - s.last_used)
 
@@ -338,7 +382,7 @@ class OffloadManager:
         live = [t.at for t in self._timers if not t.cancelled]
         return min(live) if live else None
 
-    def forget(self, session: Session) -> None:
+    def forget(self, session: PausableSession) -> None:
         self._cancel_timers(session.session_id)
         self.records.pop(session.session_id, None)
         self.mover.disk_hint.discard(session.traj.traj_id)

@@ -1,4 +1,4 @@
-"""Turning sequences into what callers see: text, snapshots, stop-string cuts."""
+"""Turning sequences into what callers see: text, snapshots, stop conditions."""
 
 from __future__ import annotations
 
@@ -46,6 +46,31 @@ def snapshot(request: Request, tokenizer: Any) -> RequestOutput:
         finish_time=max(done) if request.finished and done else None,
         session_id=request.session_id,
     )
+
+
+def stop_reason(
+    seq: Sequence, token: int, eos_token_ids: frozenset[int], tokenizer: Any, max_model_len: int
+) -> str | None:
+    """Why ``seq`` stops after sampling ``token`` ("stop", "length"), or None to go on.
+
+    A stop string cuts the output text where it begins (the text is final from then on).
+    """
+    params = seq.request.params
+    if token in params.stop_token_ids or (token in eos_token_ids and not params.ignore_eos):
+        return "stop"
+    if params.stop and tokenizer is not None:
+        text = decode(tokenizer, seq.output_token_ids)
+        window = len(seq.output_text) - max(len(s) for s in params.stop)
+        cut = find_stop(text, params.stop, max(0, window))
+        seq.output_text = text if cut is None else text[:cut]
+        if cut is not None:
+            seq.detok_offset = -1  # text is final
+            return "stop"
+    if len(seq.output_token_ids) >= params.max_tokens:
+        return "length"
+    if len(seq.traj.tokens) >= max_model_len:
+        return "length"
+    return None
 
 
 def find_stop(text: str, stops: Seq[str], start: int) -> int | None:

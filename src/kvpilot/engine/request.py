@@ -1,21 +1,29 @@
-"""Requests and the sequences that run them.
+"""Requests, the sequences that run them, and the checks a request passes before it queues.
 
 A `Request` is one call (a prompt and its sampling parameters); it runs as one `Sequence`
 per branch (``n`` > 1 forks the prompt's trajectory after its prefill). A Sequence drives a
 `Trajectory` of the memory core: the trajectory holds the tokens and KV, the sequence holds
-what this call has produced and when.
+what this call has produced and when. `RequestLimits` and `encode_prompt` turn a prompt into
+valid token ids or a typed error (the server makes the same checks before it changes anything).
 """
 
 from __future__ import annotations
 
 import enum
+import math
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from kvpilot.engine.sampling import SamplingParams
+from kvpilot.errors import InvalidRequest, PromptTooLong
 
 if TYPE_CHECKING:
     from kvpilot.memory import Trajectory
+
+PauseHint = tuple[float | None, str | None]  # (expected tool wait, tool) announced by a turn
 
 
 class SeqStatus(enum.Enum):
@@ -71,10 +79,20 @@ class Request:
     forked: bool = False  # n > 1 branches created
     aborted: bool = False
     resumed: bool = False  # a paused session's next turn
-    pause_hint: tuple[float | None, str | None] | None = None  # pause when the turn ends
+    pause_hint: PauseHint | None = None  # pause when the turn ends
     cached_by_tier: dict[str, int] = field(
         default_factory=lambda: {"device": 0, "host": 0, "disk": 0}
     )
+
+    def set_cached_by_tier(self, host_tokens: int, disk_tokens: int) -> None:
+        """Split the prefix hit by the tier it came from (loads of host and disk blocks)."""
+        host = min(host_tokens, self.cached_tokens)
+        disk = min(disk_tokens, self.cached_tokens - host)
+        self.cached_by_tier = {
+            "device": self.cached_tokens - host - disk,
+            "host": host,
+            "disk": disk,
+        }
 
     @property
     def finished(self) -> bool:
@@ -125,3 +143,77 @@ class RequestOutput:
     @property
     def token_ids(self) -> tuple[int, ...]:
         return self.outputs[0].token_ids if self.outputs else ()
+
+
+def encode_prompt(tokenizer: Any, prompt: str | Seq[int], *, add_special_tokens: bool) -> list[int]:
+    """A prompt (text, or token ids) as a list of token ids; InvalidRequest if it is neither."""
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise InvalidRequest("this engine has no tokenizer: send token ids")
+        return list(tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
+    try:
+        arr = np.asarray(prompt)
+    except (TypeError, ValueError) as exc:
+        raise InvalidRequest(f"a prompt is a string or a list of token ids: {exc}") from exc
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+        raise InvalidRequest(
+            "a prompt is a string or a flat list of integer token ids "
+            f"(got {arr.dtype.name} values{' nested' if arr.ndim > 1 else ''})"
+        )
+    return arr.tolist()
+
+
+@dataclass(frozen=True, slots=True)
+class RequestLimits:
+    """What a request must fit: the model's vocabulary and context, and the device KV pool."""
+
+    max_model_len: int
+    vocab_size: int | None
+    kv_blocks: int
+    block_size: int
+
+    def check_prompt(self, tokens: list[int], history: int = 0) -> None:
+        """InvalidRequest (PromptTooLong) unless ``tokens`` may follow ``history`` tokens."""
+        if not tokens:
+            raise InvalidRequest("the prompt is empty")
+        self.validate_tokens(tokens)
+        self.check_fits(history + len(tokens), history)
+
+    def validate_tokens(self, tokens: list[int]) -> None:
+        """InvalidRequest unless every token id is in the model's vocabulary."""
+        limit = self.vocab_size
+        low, high = min(tokens), max(tokens)
+        if low < 0 or (limit is not None and high >= limit):
+            bad = [t for t in tokens if t < 0 or (limit is not None and t >= limit)]
+            raise InvalidRequest(
+                f"token id(s) {bad[:5]} out of range [0, {limit}) for this model's vocabulary"
+            )
+
+    def check_fits(self, total: int, history: int = 0) -> None:
+        """PromptTooLong unless a context of ``total`` tokens leaves room to generate."""
+        if total >= self.max_model_len:
+            raise PromptTooLong(
+                f"prompt of {total} tokens (history {history} + new {total - history}) leaves "
+                f"no room to generate within the model context of {self.max_model_len} tokens"
+            )
+        capacity = self.kv_blocks * self.block_size
+        if total + 1 > capacity:
+            raise PromptTooLong(
+                f"prompt of {total} tokens exceeds the KV pool of {capacity} tokens "
+                f"({self.kv_blocks} blocks of {self.block_size}): give the engine more KV memory"
+            )
+
+
+def pause_hint(
+    expected_tool_wait_s: float | None, tool: str | None, *, on_session: bool
+) -> PauseHint | None:
+    """The pause a turn announces (it pauses its session when it ends), checked."""
+    if expected_tool_wait_s is None and tool is None:
+        return None
+    if not on_session:
+        raise InvalidRequest("expected_tool_wait_s and tool need a session")
+    if expected_tool_wait_s is not None and not 0 <= expected_tool_wait_s < math.inf:
+        raise InvalidRequest(
+            "expected_tool_wait_s must be a finite, non-negative number of seconds"
+        )
+    return (expected_tool_wait_s, tool)

@@ -24,7 +24,24 @@ from kvpilot.engine.config import EngineConfig
 from kvpilot.engine.executor import SeqWork
 from kvpilot.engine.request import SeqStatus, Sequence
 from kvpilot.errors import OutOfBlocks
-from kvpilot.memory import KVManager
+from kvpilot.memory import KVManager, Trajectory
+from kvpilot.memory.residency import Residency
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionHooks:
+    """What the scheduler asks of the rest of the engine; each hook is optional.
+
+    ``reclaim_idle(blocks_wanted)`` makes idle (between-turn) session state give way and
+    returns how many trajectories released KV. ``ensure_resident(traj)`` says whether the
+    trajectory's cached prefix is on the device (starting a load from host or disk if not):
+    a sequence whose prefix is still coming back waits, others are admitted past it.
+    ``on_admit(seq)`` is told of every admission (after the prefix is reused).
+    """
+
+    reclaim_idle: Callable[[int], int] | None = None
+    ensure_resident: Callable[[Trajectory], Residency] | None = None
+    on_admit: Callable[[Sequence], None] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,23 +68,17 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(
-        self,
-        config: EngineConfig,
-        kv: KVManager,
-        reclaim_idle: Callable[[int], int] | None = None,
+        self, config: EngineConfig, kv: KVManager, hooks: AdmissionHooks | None = None
     ) -> None:
         self.config = config
         self.kv = kv
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
-        # Called with a number of blocks wanted; releases idle (between-turn) session KV and
-        # returns how many trajectories it released. The engine supplies it.
-        self.reclaim_idle = reclaim_idle
-        # False while a waiting sequence's cached prefix is still coming back from host or
-        # disk: it waits for its blocks, others are admitted past it.
-        self.admission_gate: Callable[[Sequence], bool] | None = None
-        self.on_admit: Callable[[Sequence], None] | None = None
+        hooks = hooks or AdmissionHooks()
+        self.reclaim_idle = hooks.reclaim_idle
+        self.ensure_resident = hooks.ensure_resident
+        self.on_admit = hooks.on_admit
 
     # -- queue management -------------------------------------------------------------
 
@@ -88,6 +99,12 @@ class Scheduler:
         """Device KV usage counting only blocks that cannot be evicted right now."""
         total = self.kv.device.num_blocks
         return (total - self.kv.free_blocks()) / total
+
+    def memory_pressure(self) -> float:
+        """Shadow price of device memory: 1 while work waits, else usage against tau_high."""
+        if any(s.prefix_reused for s in self.waiting):
+            return 1.0
+        return min(1.0, self.held_usage() / self.config.tau_high)
 
     # -- one step ---------------------------------------------------------------------
 
@@ -123,7 +140,7 @@ class Scheduler:
             if self.held_usage() >= cfg.tau_high and not self._make_room():
                 break
             seq = self.waiting[i]
-            if self.admission_gate is not None and not self.admission_gate(seq):
+            if self.ensure_resident is not None and not self._resident(seq):
                 i += 1
                 continue
             if cfg.enable_prefix_caching:
@@ -148,6 +165,22 @@ class Scheduler:
         return SchedulerOutput(
             scheduled, works, preempted, starved, total, prefill, total - prefill
         )
+
+    def _resident(self, seq: Sequence) -> bool:
+        """Ready when the prefix is device-resident; short of room to load it, idle sessions
+        give way, then (with nothing running) other waiting work does."""
+        assert self.ensure_resident is not None
+        while True:
+            state = self.ensure_resident(seq.traj)
+            if state is Residency.READY:
+                return True
+            if state is Residency.LOADING:
+                return False  # its load is in flight
+            if self.reclaim_idle is not None and self.reclaim_idle(0):
+                continue
+            if not self.running and self.release_waiting(seq):
+                continue
+            return False
 
     def _make_room(self) -> bool:
         """Usage is at tau_high: idle session state gives way first. With nothing running,

@@ -1,19 +1,53 @@
-"""Agent sessions: one trajectory kept across turns, forkable copy-on-write."""
+"""Agent sessions and the table of open sessions.
+
+A `Session` is one trajectory kept across turns, forkable copy-on-write. The `SessionTable`
+is the one registry of open sessions: it opens (or restores from the session store), finds,
+forks, pauses, rewinds and closes them, and tracks each one's turn. It is handed its
+collaborators (the KV manager, the offload manager, the executor, the clock, the counters
+and a `TurnRunner` that queues turns) and never imports the engine.
+
+Ids are the caller's or the table's (``sess-N``); a session restored after a restart keeps
+its id. Every session records when it was last used, for idle reclaim (and expiry).
+"""
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Callable, Iterator, Mapping
 from collections.abc import Sequence as Seq
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
-from kvpilot.engine.request import RequestOutput
+from kvpilot.engine.request import Request, RequestOutput
 from kvpilot.engine.sampling import SamplingParams
-from kvpilot.errors import InvalidRequest
+from kvpilot.engine.stats import EngineStats
+from kvpilot.errors import InvalidRequest, SessionBusy, SessionNotFound
+from kvpilot.memory import KVManager, Trajectory
 
 if TYPE_CHECKING:
-    from kvpilot.engine.engine import Engine
+    from kvpilot.engine.executor import Executor
+    from kvpilot.engine.offload import OffloadManager
     from kvpilot.engine.tier_stats import PauseRecord
-    from kvpilot.memory import Trajectory
     from kvpilot.policy.breakeven import PauseDecision
+
+
+class TurnRunner(Protocol):
+    """How the table queues a session's turn and waits for it (the engine is one)."""
+
+    def add_request(
+        self,
+        prompt: str | Seq[int],
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        session: Session | None = None,
+        salt: str | None = None,
+        expected_tool_wait_s: float | None = None,
+        tool: str | None = None,
+    ) -> str: ...
+
+    def run_until_finished(self, request_id: str) -> RequestOutput: ...
+
+    def abort(self, request_id: str) -> None: ...
 
 
 class Session:
@@ -24,15 +58,17 @@ class Session:
     sessions that share every full block and copy at most one partial block each.
     """
 
-    def __init__(self, engine: Engine, session_id: str, traj: Trajectory, salt: str | None) -> None:
-        self.engine = engine
+    def __init__(
+        self, table: SessionTable, session_id: str, traj: Trajectory, salt: str | None
+    ) -> None:
+        self._table = table
         self.session_id = session_id
         self.traj = traj
         self.salt = salt
         self.active_request: str | None = None
         self.closed = False
         self.turns = 0
-        self.last_used = engine.clock.now()
+        self.last_used = table.now()
         self.last_output: RequestOutput | None = None
 
     @property
@@ -59,46 +95,212 @@ class Session:
 
         With ``expected_tool_wait_s`` or ``tool``, the session pauses when the turn ends.
         """
-        return self.engine.add_request(
+        return self._table.runner.add_request(
             prompt, params, session=self, expected_tool_wait_s=expected_tool_wait_s, tool=tool
         )
 
     def pause(self, expected_wait_s: float | None = None, tool: str | None = None) -> PauseDecision:
         """The agent is off to a tool: retain, offload or drop this session's KV (the policy
         decides; with no ``expected_wait_s`` the wait is predicted from past waits)."""
-        return self.engine.pause_session(self, expected_wait_s, tool)
+        return self._table.pause(self, expected_wait_s, tool)
 
     @property
     def last_pause(self) -> PauseRecord | None:
-        return self.engine.offload.record_for(self.session_id)
+        return self._table.offload.record_for(self.session_id)
 
     def generate(
         self, prompt: str | Seq[int], params: SamplingParams | None = None
     ) -> RequestOutput:
         """Run one turn to completion and return its output."""
         request_id = self.submit(prompt, params)
-        return self.engine.run_until_finished(request_id)
+        return self._table.runner.run_until_finished(request_id)
 
     def rewind(self, num_tokens: int) -> None:
         """Cut the history back to its first ``num_tokens`` tokens (for a client that resends a
         history differing from what the session holds). Full blocks before the cut stay cached.
         """
-        self._check_open()
-        if self.active_request is not None:
-            raise InvalidRequest("cannot rewind a session while a turn is running")
-        self.traj.truncate(num_tokens)
-        high = self.engine.offload.high_water
-        tid = self.traj.traj_id
-        if high.get(tid, 0) > num_tokens:
-            high[tid] = num_tokens  # what follows the cut is new, not recomputed
+        self._table.rewind(self, num_tokens)
 
     def fork(self, n: int = 1) -> list[Session]:
         """``n`` new sessions continuing from this one's state, sharing its KV."""
-        return self.engine.fork_session(self, n)
+        return self._table.fork(self, n)
 
     def close(self) -> None:
-        self.engine.close_session(self)
+        self._table.close(self)
 
-    def _check_open(self) -> None:
-        if self.closed:
-            raise InvalidRequest(f"session {self.session_id} is closed")
+
+class SessionTable(Mapping[str, Session]):
+    """The open sessions by id (a read-only mapping), and every change to them."""
+
+    def __init__(
+        self,
+        kv: KVManager,
+        offload: OffloadManager,
+        executor: Executor,
+        clock: Callable[[], float],
+        stats: EngineStats,
+        runner: TurnRunner,
+    ) -> None:
+        self.kv = kv
+        self.offload = offload
+        self.executor = executor
+        self.now = clock
+        self.stats = stats
+        self.runner = runner
+        self._sessions: dict[str, Session] = {}
+        self._ids = itertools.count()
+
+    # -- the mapping ------------------------------------------------------------------
+
+    def __getitem__(self, session_id: str) -> Session:
+        return self._sessions[session_id]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._sessions)
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def require(self, session_id: str) -> Session:
+        """The open session ``session_id``; SessionNotFound if there is none."""
+        session = self._sessions.get(session_id)
+        if session is None:
+            raise SessionNotFound(f"unknown session {session_id!r}")
+        return session
+
+    def idle(self) -> list[Session]:
+        """Sessions between turns that hold device KV."""
+        return [s for s in self._sessions.values() if s.idle and s.traj.block_table]
+
+    # -- opening and closing ----------------------------------------------------------
+
+    def open(self, salt: str | None = None, session_id: str | None = None) -> Session:
+        sid = session_id or f"sess-{next(self._ids)}"
+        if sid in self._sessions:
+            raise InvalidRequest(f"session id {sid!r} is already in use")
+        stored = self.offload.stored_session(sid)
+        if stored is not None:
+            # A session paused before a restart: its tokens come back from SQLite, its KV
+            # from the disk tier (whatever is still there and verifies) on the next turn.
+            traj = self.kv.open_trajectory(salt=stored.salt, tokens=stored.tokens)
+            self.offload.restored(traj)
+            salt = stored.salt
+        else:
+            traj = self.kv.open_trajectory(salt=salt)
+        return self._add(Session(self, sid, traj, salt))
+
+    def _add(self, session: Session) -> Session:
+        self._sessions[session.session_id] = session
+        return session
+
+    def fork(self, session: Session, n: int = 1) -> list[Session]:
+        self._check_idle(session, "fork")
+        if n < 1:
+            raise InvalidRequest("fork needs n >= 1")
+        forks: list[Session] = []
+        copies: list[tuple[int, int]] = []
+        for _ in range(n):
+            result = self.kv.fork_or_defer(session.traj)
+            if result.copy is not None:
+                copies.append(result.copy)
+            sid = f"{session.session_id}.{next(self._ids)}"
+            child = self._add(Session(self, sid, result.child, session.salt))
+            child.turns = session.turns
+            forks.append(child)
+        if copies:
+            self.executor.copy_blocks(copies)
+            self.stats.fork_copied_blocks += len(copies)
+        self.stats.forks += n
+        return forks
+
+    def close(self, session: Session) -> None:
+        if session.closed:
+            return
+        if session.active_request is not None:
+            self.runner.abort(session.active_request)
+        self.offload.forget(session)
+        session.traj.close()
+        session.closed = True
+        self._sessions.pop(session.session_id, None)
+
+    # -- between turns ----------------------------------------------------------------
+
+    def pause(
+        self, session: Session, expected_wait_s: float | None = None, tool: str | None = None
+    ) -> PauseDecision:
+        """The agent went off to a tool: decide what to do with this session's KV."""
+        self._check_idle(session, "pause")
+        return self.offload.pause(session, expected_wait_s, tool)
+
+    def rewind(self, session: Session, num_tokens: int) -> None:
+        self._check_idle(session, "rewind")
+        session.traj.truncate(num_tokens)
+        self.offload.rewound(session.traj, num_tokens)
+
+    def reclaim_idle(self, blocks_wanted: int) -> int:
+        """Memory pressure: idle sessions' KV gives way (demoted by the offload manager)."""
+        del blocks_wanted  # one session at a time; the scheduler asks again if short
+        return self.offload.reclaim(self.idle())
+
+    # -- turns ------------------------------------------------------------------------
+
+    def check_turn(self, session: Session, params: SamplingParams) -> None:
+        """May ``session`` start a turn with ``params``? (Nothing changes if not.)"""
+        self._check_open(session)
+        if session.active_request is not None:
+            raise SessionBusy(
+                f"session {session.session_id} is running turn {session.active_request}"
+            )
+        if params.n != 1:
+            raise InvalidRequest("n > 1 is not allowed on a session turn: fork the session")
+
+    def begin_turn(self, session: Session, request: Request, tokens: list[int]) -> Trajectory:
+        """The turn's request is valid: resume a paused session, append the prompt."""
+        if self.offload.record_for(session.session_id) is not None:
+            request.resumed = True
+            self.offload.on_resume(session)
+        session.traj.append_tokens(tokens)
+        session.active_request = request.request_id
+        session.turns += 1
+        return session.traj
+
+    def end_turn(self, request: Request, output: RequestOutput) -> None:
+        """A session's turn finished: the session is idle again, paused if the turn said so."""
+        session = self._sessions.get(request.session_id or "")
+        if session is None:
+            return
+        session.active_request = None
+        session.last_used = self.now()
+        session.last_output = output
+        if request.pause_hint is not None and not request.aborted:
+            self.pause(session, *request.pause_hint)
+
+    def _check_open(self, session: Session) -> None:
+        if session.closed:
+            raise SessionNotFound(f"session {session.session_id} is closed")
+
+    def _check_idle(self, session: Session, action: str) -> None:
+        self._check_open(session)
+        if session.active_request is not None:
+            raise SessionBusy(
+                f"cannot {action} session {session.session_id} while it is running turn "
+                f"{session.active_request}: wait for the turn to finish"
+            )
+
+    # -- checks -----------------------------------------------------------------------
+
+    def check_invariants(self) -> None:
+        for sid, session in self._sessions.items():
+            _require(session.session_id == sid, f"session {session.session_id} filed as {sid}")
+            _require(not session.closed, f"closed session {sid} is still in the table")
+            traj = session.traj
+            _require(not traj.closed, f"session {sid} holds a closed trajectory")
+            _require(
+                self.kv.trajectories.get(traj.traj_id) is traj,
+                f"session {sid}'s trajectory is not registered with the KV manager",
+            )
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise AssertionError(message)

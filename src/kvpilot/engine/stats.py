@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvpilot.engine.request import Request, Sequence
 
 
 @dataclass(slots=True)
@@ -27,6 +31,29 @@ class EngineStats:
     @property
     def hit_rate(self) -> float:
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    def observe_step(self, seconds: float, prefill_tokens: int, decode_tokens: int) -> None:
+        self.steps += 1
+        self.step_time_s += seconds
+        self.prefill_tokens += prefill_tokens
+        self.decode_tokens += decode_tokens
+
+    def observe_token(self, seq: Sequence, now: float) -> None:
+        """``seq`` produced a token at ``now`` (TTFT of a request's first branch, else ITL)."""
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+            if seq.index == 0:
+                self.ttft_s.append(now - seq.request.arrival_time)
+        else:
+            self.itl_s.append(now - (seq.last_token_time or now))
+        seq.last_token_time = now
+        self.generated_tokens += 1
+
+    def observe_finished(self, request: Request, now: float) -> None:
+        self.requests_finished += 1
+        self.prompt_tokens += request.history_tokens + len(request.prompt_token_ids)
+        self.cached_tokens += request.cached_tokens
+        self.e2e_s.append(now - request.arrival_time)
 
     def drain_samples(self) -> tuple[list[float], list[float], list[float]]:
         """Hand over (ttft, itl, e2e) samples gathered so far and start new lists."""

@@ -23,6 +23,7 @@ from kvpilot.engine.tier_stats import TierStats
 from kvpilot.errors import OutOfBlocks
 from kvpilot.memory import KVManager, RadixNode, Tier, Trajectory
 from kvpilot.memory.hashing import block_hash
+from kvpilot.memory.residency import Residency
 from kvpilot.policy.meters import RateMeter
 
 if TYPE_CHECKING:
@@ -93,7 +94,6 @@ class TierMover:
         self.loads: dict[int, _Load] = {}
         self.loaded: dict[int, dict[str, int]] = {}  # traj_id -> tokens loaded per tier
         self.disk_hint: set[int] = set()  # trajectories whose blocks may be on disk
-        self.short_of_memory = False  # the last ensure_resident found no device room
         if transport is not None and self.host_pool is not None:
             self._probe_link()
         if transport is not None and disk is not None:
@@ -282,19 +282,19 @@ class TierMover:
 
     def ensure_resident(
         self, traj: Trajectory, *, prefetch: bool = False, session_id: str | None = None
-    ) -> bool:
-        """True when the trajectory's cached prefix is on the device; else start loading it."""
-        self.short_of_memory = False
+    ) -> Residency:
+        """READY when the trajectory's cached prefix is on the device; else start loading it
+        (LOADING), or say there is no device room to load it into (NO_ROOM)."""
         job = self.loads.get(traj.traj_id)
         if job is not None:
             if not prefetch and job.prefetch:
                 job.prefetch = False
                 self.stats.prefetch_stalls += 1
-            return False
+            return Residency.LOADING
         if self.transport is None:
-            return True
+            return Residency.READY
         if not self.radix.cached_blocks(Tier.HOST) and traj.traj_id not in self.disk_hint:
-            return True  # nothing lives off the device: the fast path of every admission
+            return Residency.READY  # nothing lives off the device: every admission's fast path
         buf = traj.token_array()
         tokens = buf[: max(len(buf) - 1, 0)]
         match = self.radix.match(tokens, traj.salt, record=False, tier=None)
@@ -302,12 +302,11 @@ class TierMover:
         disk_keys, disk_tokens = self._disk_probe(traj, match.node, match.num_tokens, tokens)
         if not host_nodes and not disk_keys:
             self.disk_hint.discard(traj.traj_id)
-            return True
+            return Residency.READY
         need = sum(n.num_blocks for n in host_nodes) + len(disk_keys)
         dev = self._allocate_device(need, match.path, host_nodes)
         if dev is None:
-            self.short_of_memory = True
-            return False
+            return Residency.NO_ROOM
         host_map: dict[int, int] = {}
         for node in host_nodes:
             host = node.blocks[Tier.HOST]
@@ -332,7 +331,7 @@ class TierMover:
         self.loads[traj.traj_id] = job
         if not prefetch:
             self.stats.prefetch_stalls += 1
-        return False
+        return Residency.LOADING
 
     def _allocate_device(
         self, need: int, path: list[RadixNode], host_nodes: list[RadixNode]

@@ -9,11 +9,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvpilot.errors import ConfigError
+from kvpilot.errors import ConfigError, OutOfBlocks
 from kvpilot.memory.block_pool import BlockPool
 from kvpilot.memory.radix import RadixCache, RadixNode
 from kvpilot.memory.tiers import Tier
-from kvpilot.memory.trajectory import Trajectory
+from kvpilot.memory.trajectory import ForkResult, Trajectory
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -59,17 +59,32 @@ class KVManager:
         self._ids = itertools.count()
 
     def open_trajectory(self, salt: str | None = None, tokens: Iterable[int] = ()) -> Trajectory:
-        traj = Trajectory(self, self._next_trajectory_id(), salt, tokens)
-        self._register(traj)
+        traj = Trajectory(self, self.next_trajectory_id(), salt, tokens)
+        self.register(traj)
         return traj
 
-    def _next_trajectory_id(self) -> int:
+    def fork_or_defer(self, traj: Trajectory, *, defer: bool = False) -> ForkResult:
+        """Fork ``traj`` (figure 5), or defer the child when asked to or out of blocks.
+
+        A deferred child shares nothing yet: it is a new trajectory on the parent's tokens
+        (whose full blocks the parent has just committed to the cache), with no KV computed.
+        Admitted later, it reuses the cached prefix and recomputes only the partial tail.
+        """
+        if not defer:
+            try:
+                return traj.fork()
+            except OutOfBlocks:
+                pass  # no block for the partial tail
+        traj.commit()
+        return ForkResult(self.open_trajectory(traj.salt, traj.tokens), None, deferred=True)
+
+    def next_trajectory_id(self) -> int:
         return next(self._ids)
 
-    def _register(self, traj: Trajectory) -> None:
+    def register(self, traj: Trajectory) -> None:
         self.trajectories[traj.traj_id] = traj
 
-    def _deregister(self, traj: Trajectory) -> None:
+    def deregister(self, traj: Trajectory) -> None:
         self.trajectories.pop(traj.traj_id, None)
 
     def pin(self, tier: Tier, blocks: Iterable[int], *, take_reference: bool = True) -> None:

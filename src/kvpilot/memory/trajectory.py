@@ -5,20 +5,37 @@ from __future__ import annotations
 from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from kvpilot.errors import InvalidRequest
-from kvpilot.memory.radix import RadixNode, as_token_array
+from kvpilot.memory.block_pool import BlockPool
+from kvpilot.memory.radix import RadixCache, RadixNode, as_token_array
 from kvpilot.memory.tiers import Tier
 
-if TYPE_CHECKING:
-    from kvpilot.memory.manager import KVManager
+
+class TrajectoryRegistry(Protocol):
+    """What a trajectory needs from its owner (the `KVManager`): the device pool and radix it
+    holds blocks in, and a register of open trajectories (a fork registers its child)."""
+
+    radix: RadixCache
+    device: BlockPool
+    block_size: int
+
+    def next_trajectory_id(self) -> int: ...
+
+    def register(self, traj: Trajectory) -> None: ...
+
+    def deregister(self, traj: Trajectory) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
 class ForkResult:
+    """A fork's child, the (src, dst) block copy its partial tail needs, and whether it was
+    deferred (opened on the parent's tokens with no KV: it recomputes its tail from the cache)."""
+
     child: Trajectory
     copy: tuple[int, int] | None
+    deferred: bool = False
 
 
 class Trajectory:
@@ -37,7 +54,7 @@ class Trajectory:
 
     def __init__(
         self,
-        manager: KVManager,
+        manager: TrajectoryRegistry,
         traj_id: int,
         salt: str | None = None,
         tokens: Iterable[int] = (),
@@ -226,7 +243,7 @@ class Trajectory:
             dst = pool.allocate(1)[0]
         self._sync()
         manager = self._manager
-        child = Trajectory(manager, manager._next_trajectory_id(), self.salt)
+        child = Trajectory(manager, manager.next_trajectory_id(), self.salt)
         child._buf = array("i", self._buf)
         child.tokens = list(self.tokens)
         shared = self.block_table[:n_full]
@@ -234,7 +251,7 @@ class Trajectory:
         child.block_table = shared if dst is None else [*shared, dst]
         child._lock_to(self.locked_node)
         child.num_computed_tokens = self.num_computed_tokens
-        manager._register(child)
+        manager.register(child)
         copy = None if dst is None else (self.block_table[n_full], dst)
         return ForkResult(child, copy)
 
@@ -282,7 +299,7 @@ class Trajectory:
         self.release_kv(keep_in_cache=True)
         self._radix.unlock(self.locked_node)
         self.closed = True
-        self._manager._deregister(self)
+        self._manager.deregister(self)
 
     # ---- integrity -----------------------------------------------------------------------
 

@@ -69,13 +69,13 @@ def render_chat(
 def encode(engine: Engine, prompt: str | list[int], *, special: bool) -> list[int]:
     tokens = engine.encode(prompt, add_special_tokens=special)
     if tokens:
-        engine.validate_tokens(tokens)
+        engine.limits.validate_tokens(tokens)
     return tokens
 
 
 def check_fits(engine: Engine, total: int) -> None:
     """The engine's own admission checks, made before anything is changed."""
-    engine.check_fits(total)
+    engine.limits.check_fits(total)
 
 
 def request_adder(
