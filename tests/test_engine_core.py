@@ -25,7 +25,7 @@ B = 16
 
 def make_engine(num_blocks: int = 256, **cfg: object) -> Engine:
     executor = FakeExecutor(num_blocks, B)
-    config = EngineConfig(block_size=B, **cfg)  # type: ignore[arg-type]
+    config = EngineConfig.from_kwargs(block_size=B, **cfg)
     return Engine(executor, config, vocab_size=500, max_model_len=4096, clock=VirtualClock())
 
 

@@ -12,49 +12,54 @@ from typer.testing import CliRunner
 
 from kvpilot.cli import serve as cli_serve
 from kvpilot.cli.serve import ServeOptions, build_app, serve
+from kvpilot.engine.config import EngineConfig
 from kvpilot.errors import ConfigError
 from kvpilot.policy.pause import POLICY_NAMES
 
 
+def options(**flat: object) -> ServeOptions:
+    return ServeOptions(engine=EngineConfig.from_kwargs(**flat))
+
+
 def test_kv_memory_and_kv_blocks_are_mutually_exclusive() -> None:
     with pytest.raises(ConfigError, match="not both"):
-        ServeOptions(kv_memory_bytes=1 << 20, kv_blocks=4)
+        options(kv_memory_bytes=1 << 20, kv_blocks=4)
 
 
 def test_an_unknown_pause_policy_is_refused() -> None:
     with pytest.raises(ConfigError, match="breakeven"):
-        ServeOptions(policy="yolo")
+        options(pause_policy="yolo")
 
 
 @pytest.mark.parametrize("policy", POLICY_NAMES)
 def test_every_engine_pause_policy_is_accepted(policy: str) -> None:
-    assert ServeOptions(policy=policy).policy == policy
+    assert options(pause_policy=policy).engine.pause.policy == policy
 
 
 def test_a_disk_dir_that_cannot_be_created_is_refused(tmp_path: Path) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("")
     with pytest.raises(ConfigError, match="disk-dir"):
-        ServeOptions(disk_dir=blocker / "sub")
+        options(disk_dir=str(blocker / "sub"))
 
 
 def test_disk_blocks_need_a_disk_dir() -> None:
     with pytest.raises(ConfigError, match="--disk-dir"):
-        ServeOptions(disk_blocks=64)
+        options(disk_kv_blocks=64)
 
 
 def test_tier_options_build_an_engine_with_those_tiers(tmp_path: Path) -> None:
-    options = ServeOptions(
+    serve_options = options(
         kv_blocks=64,
         host_memory_bytes=1 << 22,
-        disk_dir=tmp_path / "kv",
-        disk_blocks=100,
-        policy="offload-disk",
+        disk_dir=str(tmp_path / "kv"),
+        disk_kv_blocks=100,
+        pause_policy="offload-disk",
         max_num_seqs=8,
     )
-    app = build_app(options)
+    app = build_app(serve_options)
     engine = app.state.kvpilot.engine.engine
-    assert engine.config.pause_policy == "offload-disk"
+    assert engine.config.pause.policy == "offload-disk"
     block_bytes = engine.offload.block_bytes
     assert engine.offload.host_pool.num_blocks == (1 << 22) // block_bytes
     assert engine.offload.disk is not None and engine.offload.disk.num_slots == 100
@@ -72,7 +77,7 @@ def test_tier_options_build_an_engine_with_those_tiers(tmp_path: Path) -> None:
 
 
 def test_without_tier_options_only_the_device_tier_exists() -> None:
-    with TestClient(build_app(ServeOptions(kv_blocks=32))) as client:
+    with TestClient(build_app(options(kv_blocks=32))) as client:
         tiers = client.get("/health").json()["tiers"]
     assert tiers["policy"] == "breakeven"
     assert not tiers["host"]["enabled"] and not tiers["disk"]["enabled"]
@@ -81,8 +86,7 @@ def test_without_tier_options_only_the_device_tier_exists() -> None:
 def test_shutdown_closes_the_engine_and_releases_the_disk_tier(tmp_path: Path) -> None:
     from kvpilot.store import DiskBlockStore
 
-    options = ServeOptions(kv_blocks=32, disk_dir=tmp_path / "kv", disk_blocks=8)
-    app = build_app(options)
+    app = build_app(options(kv_blocks=32, disk_dir=str(tmp_path / "kv"), disk_kv_blocks=8))
     block_bytes = app.state.kvpilot.engine.engine.offload.block_bytes
     with TestClient(app), pytest.raises(ConfigError, match="already open"):
         DiskBlockStore(tmp_path / "kv", 8, block_bytes)
@@ -116,3 +120,47 @@ def test_bad_serve_options_exit_with_a_message(monkeypatch: pytest.MonkeyPatch) 
     result = CliRunner().invoke(cli(), ["--kv-memory", "1GiB", "--kv-blocks", "4"])
     assert result.exit_code != 0
     assert "not both" in result.output
+
+
+def option_names(command: object) -> set[str]:
+    app = typer.Typer()
+    app.command()(command)  # type: ignore[arg-type]
+    click_command = typer.main.get_command(app)
+    return {opt for p in click_command.params for opt in getattr(p, "opts", [])}
+
+
+def test_serve_and_sim_share_flag_names() -> None:
+    from kvpilot.cli.sim import sim
+
+    shared = {
+        "--model",
+        "--kv-blocks",
+        "--block-size",
+        "--max-batched-tokens",
+        "--prefill-chunk",
+        "--max-num-seqs",
+        "--tau-high",
+        "--max-model-len",
+        "--host-memory",
+        "--policy",
+    }
+    assert shared <= option_names(serve) & option_names(sim)
+
+
+def test_scheduler_and_pool_flags_reach_the_engine_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    built: list[ServeOptions] = []
+
+    def fake_build(options: ServeOptions) -> object:
+        built.append(options)
+        raise typer.Exit(0)
+
+    monkeypatch.setattr(cli_serve, "build_app", fake_build)
+    args = ["--block-size", "32", "--max-batched-tokens", "512", "--prefill-chunk", "128"]
+    args += ["--tau-high", "0.8", "--host-memory", "64MiB", "--kv-blocks", "100"]
+    result = CliRunner().invoke(cli(), args)
+    assert result.exit_code == 0, result.output
+    config = built[0].engine
+    assert config.runner.block_size == 32 and config.runner.kv_blocks == 100
+    assert config.runner.tiers.host_memory_bytes == 64 << 20
+    assert config.scheduler.max_num_batched_tokens == 512
+    assert config.scheduler.max_prefill_chunk == 128 and config.scheduler.tau_high == 0.8

@@ -16,6 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvpilot.cli.serve import ServeOptions, build_app
 from kvpilot.engine import Engine
+from kvpilot.engine.config import EngineConfig
 from kvpilot.server.background import BackgroundServer
 
 FIRST = "You are a coding agent. The test suite fails; find out why. " * 6  # ~360 tokens
@@ -74,9 +75,9 @@ def serve(tmp: Path, policy: str | None, kv_blocks: int = 128) -> Iterator[Serve
     """A server as `kvpilot serve` builds it; with a policy, a host tier and a disk dir."""
     tiers: dict[str, Any] = {}
     if policy is not None:
-        tiers = {"host_memory_bytes": 16 << 20, "disk_dir": tmp / f"disk-{policy}"}
-        tiers["policy"] = policy
-    app = build_app(ServeOptions(kv_blocks=kv_blocks, **tiers))
+        tiers = {"host_memory_bytes": 16 << 20, "disk_dir": str(tmp / f"disk-{policy}")}
+        tiers["pause_policy"] = policy
+    app = build_app(ServeOptions(engine=EngineConfig.from_kwargs(kv_blocks=kv_blocks, **tiers)))
     with BackgroundServer(app) as background:
         server = Server(background)
         yield server

@@ -198,7 +198,8 @@ def test_deltas_never_send_what_a_stop_string_may_still_cut() -> None:
 
 
 def _fake_engine(num_blocks: int = 64) -> Engine:
-    return Engine(FakeExecutor(num_blocks, 16), EngineConfig(block_size=16), vocab_size=500)
+    config = EngineConfig.from_kwargs(block_size=16)
+    return Engine(FakeExecutor(num_blocks, 16), config, vocab_size=500)
 
 
 def test_the_engine_thread_streams_each_request_to_its_caller() -> None:

@@ -76,6 +76,18 @@ def test_sim_json_summary_has_the_headline_figures(cli, tmp_path) -> None:
     assert 0 < data["hit_rate"] < 1
 
 
+def test_sim_block_size_and_sizes_with_units(cli, tmp_path) -> None:
+    app, runner = cli
+    args = [*BASE, "--workload", str(small_workload(tmp_path)), "--duration", "20s", "--json"]
+    args += ["--block-size", "32", "--host-memory", "1GB", "--reserve", "3GB"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["block_size"] == 32
+    bytes_per_block = 32 * 131072  # llama-3-8b: 128 KiB of KV per token
+    assert data["host_blocks"] == 10**9 // bytes_per_block
+
+
 def test_sim_table_output_and_figures(cli, tmp_path) -> None:
     app, runner = cli
     out = tmp_path / "figs"
@@ -142,6 +154,8 @@ def test_sim_replays_a_hashed_trace(cli, tmp_path) -> None:
         (["--policy", "fastest"], "unknown policy"),
         (["--model", "gpt-9"], "unknown model"),
         (["--trace", "/nonexistent/trace.jsonl"], "does not exist"),
+        (["--host-memory", "lots"], "cannot read size"),
+        (["--block-size", "12"], "power of two"),
     ],
 )
 def test_sim_bad_options_fail_with_a_message(cli, args, message) -> None:

@@ -44,7 +44,7 @@ def workload(**sections: Any) -> WorkloadConfig:
 
 
 def setup(**kw: Any) -> SimSetup:
-    engine = kw.pop("engine", EngineConfig(max_num_seqs=256))
+    engine = kw.pop("engine", EngineConfig.from_kwargs(max_num_seqs=256))
     kw.setdefault("model", "llama-3-8b")
     kw.setdefault("node", "h100")
     kw.setdefault("kv_blocks", 4000)
@@ -72,7 +72,7 @@ def capacity_run(shared: int, blocks: int = 1000, tau: float = 0.9) -> tuple[int
         kv_blocks=blocks,
         host_kv_bytes_per_device=0,
         duration_s=600.0,
-        engine=EngineConfig(
+        engine=EngineConfig.from_kwargs(
             tau_high=tau, max_num_batched_tokens=4096, max_prefill_chunk=4096, max_num_seqs=256
         ),
     )
@@ -307,11 +307,11 @@ def test_replay_sends_each_call_after_the_previous_one_finishes() -> None:
 def test_policies_resolve_and_apply() -> None:
     config = EngineConfig()
     cfg, note = apply_policy(resolve_policy("no-prefix-cache"), config)
-    assert cfg.enable_prefix_caching is False and note is None
+    assert cfg.scheduler.enable_prefix_caching is False and note is None
     cfg, _ = apply_policy(resolve_policy("tau-0.75"), config)
-    assert cfg.tau_high == 0.75
+    assert cfg.scheduler.tau_high == 0.75
     cfg, note = apply_policy(resolve_policy("retain"), config)
-    assert cfg.pause_policy == "retain" and note is None
+    assert cfg.pause.policy == "retain" and note is None
     for bad in ("tau-2", "tau-x", "fastest"):
         with pytest.raises(ConfigError):
             resolve_policy(bad)

@@ -7,117 +7,92 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 from fastapi import FastAPI
 
+from kvpilot.cli.options import (
+    BlockSize,
+    HostMemory,
+    KvBlocks,
+    MaxBatchedTokens,
+    MaxModelLen,
+    MaxNumSeqs,
+    Model,
+    Policy,
+    PrefillChunk,
+    TauHigh,
+    engine_config,
+    size,
+)
+from kvpilot.engine.config import EngineConfig
 from kvpilot.errors import ConfigError, ModelLoadError
-from kvpilot.policy.pause import POLICY_NAMES
 from kvpilot.server.limits import ServerLimits
 from kvpilot.server.tenancy import ApiKeys
 
 
 @dataclass(frozen=True, slots=True)
 class ServeOptions:
+    """What ``kvpilot serve`` runs: a model, the engine's configuration, and the server's."""
+
     model: str = "tiny"
-    kv_memory_bytes: int | None = None
-    kv_blocks: int | None = None
-    host_memory_bytes: int | None = None
-    disk_dir: Path | None = None
-    policy: str = "breakeven"
-    disk_blocks: int | None = None
-    pause_ttl_s: float | None = None
+    engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)
     api_keys: Path | None = None
-    max_model_len: int | None = None
-    max_num_seqs: int | None = None
-    device: str | None = None
-    dtype: str | None = None
     limits: ServerLimits = dataclasses.field(default_factory=ServerLimits)
 
     def __post_init__(self) -> None:
-        if self.kv_memory_bytes is not None and self.kv_blocks is not None:
-            raise ConfigError("give --kv-memory or --kv-blocks, not both")
-        if self.policy not in POLICY_NAMES:
-            raise ConfigError(f"--policy {self.policy!r} is unknown; known: {list(POLICY_NAMES)}")
-        if self.host_memory_bytes is not None and self.host_memory_bytes <= 0:
-            raise ConfigError("--host-memory must be positive")
-        if self.disk_blocks is not None and self.disk_blocks < 1:
-            raise ConfigError("--disk-blocks must be positive")
-        if self.disk_blocks is not None and self.disk_dir is None:
-            raise ConfigError("--disk-blocks sizes the disk tier: give --disk-dir too")
-        if self.pause_ttl_s is not None and self.pause_ttl_s < 0:
-            raise ConfigError("--pause-ttl must not be negative")
-        if self.disk_dir is not None:
+        disk_dir = self.engine.runner.tiers.disk_dir
+        if disk_dir is not None:
+            folder = Path(disk_dir)
             try:
-                self.disk_dir.mkdir(parents=True, exist_ok=True)
+                folder.mkdir(parents=True, exist_ok=True)
             except OSError as exc:
-                raise ConfigError(f"--disk-dir {self.disk_dir}: cannot create it ({exc})") from exc
-            if not os.access(self.disk_dir, os.W_OK):
-                raise ConfigError(f"--disk-dir {self.disk_dir} is not writable")
-
-
-def engine_options(options: ServeOptions) -> dict[str, Any]:
-    """The `Engine.from_pretrained` options (EngineConfig fields) these serve options mean."""
-    given = {
-        "kv_blocks": options.kv_blocks,
-        "kv_memory_bytes": options.kv_memory_bytes,
-        "max_model_len": options.max_model_len,
-        "max_num_seqs": options.max_num_seqs,
-        "device": options.device,
-        "dtype": options.dtype,
-        "host_memory_bytes": options.host_memory_bytes,
-        "disk_dir": str(options.disk_dir) if options.disk_dir is not None else None,
-        "disk_kv_blocks": options.disk_blocks,
-        "pause_ttl_s": options.pause_ttl_s,
-        "pause_policy": options.policy,
-    }
-    return {k: v for k, v in given.items() if v is not None}
+                raise ConfigError(f"--disk-dir {folder}: cannot create it ({exc})") from exc
+            if not os.access(folder, os.W_OK):
+                raise ConfigError(f"--disk-dir {folder} is not writable")
 
 
 def build_app(options: ServeOptions) -> FastAPI:
     """The engine and app ``kvpilot serve`` would run, without starting a server."""
-    from kvpilot.engine import Engine
+    from kvpilot.model.build import build_engine
     from kvpilot.server.app import create_app
 
     keys = ApiKeys.from_file(options.api_keys) if options.api_keys else ApiKeys()
-    given = engine_options(options)
-    engine = Engine.from_pretrained(options.model, **given)
+    engine = build_engine(options.model, options.engine)
     return create_app(
-        engine, model_name=options.model, limits=options.limits, api_keys=keys, options=given
+        engine,
+        model_name=options.model,
+        limits=options.limits,
+        api_keys=keys,
+        options=options.engine.flat(changed_only=True),
     )
 
 
-def _size(text: str | None) -> int | None:
-    if text is None:
-        return None
-    from kvpilot.units import parse_bytes
-
-    return int(parse_bytes(text))
-
-
 def serve(
-    model: Annotated[str, typer.Option(help="Checkpoint folder, or 'tiny' (built in).")] = "tiny",
+    model: Model = "tiny",
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
     kv_memory: Annotated[str | None, typer.Option(help="Device KV pool size, e.g. 2GiB.")] = None,
-    kv_blocks: Annotated[int | None, typer.Option(help="Device KV pool in blocks.")] = None,
-    host_memory: Annotated[str | None, typer.Option(help="Host tier size, e.g. 32GiB.")] = None,
+    kv_blocks: KvBlocks = None,
+    block_size: BlockSize = None,
+    host_memory: HostMemory = None,
     disk_dir: Annotated[Path | None, typer.Option(help="Folder for the disk tier.")] = None,
     disk_blocks: Annotated[
         int | None, typer.Option(help="Disk tier capacity in blocks (default 4096).")
     ] = None,
-    policy: Annotated[
-        str, typer.Option(help=f"Pause policy: {', '.join(POLICY_NAMES)}.")
-    ] = "breakeven",
+    policy: Policy = "breakeven",
     pause_ttl: Annotated[
         float | None, typer.Option(help="Lease of the ttl policy, seconds (default 10).")
     ] = None,
     api_keys: Annotated[
         Path | None, typer.Option(help="API keys -> tenants file (JSON, or 'key tenant' lines).")
     ] = None,
-    max_model_len: Annotated[int | None, typer.Option(help="Cap on the model context.")] = None,
-    max_num_seqs: Annotated[int | None, typer.Option(help="Most sequences in a batch.")] = None,
+    max_model_len: MaxModelLen = None,
+    max_num_seqs: MaxNumSeqs = None,
+    max_batched_tokens: MaxBatchedTokens = None,
+    prefill_chunk: PrefillChunk = None,
+    tau_high: TauHigh = None,
     device: Annotated[str | None, typer.Option(help="cpu or cuda (default cpu).")] = None,
     dtype: Annotated[
         str | None, typer.Option(help="float32, bfloat16 or float16 (default float32).")
@@ -138,20 +113,27 @@ def serve(
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(name)s: %(message)s")
     try:
-        options = ServeOptions(
-            model=model,
-            kv_memory_bytes=_size(kv_memory),
+        config = engine_config(
+            kv_memory_bytes=size(kv_memory),
             kv_blocks=kv_blocks,
-            host_memory_bytes=_size(host_memory),
-            disk_dir=disk_dir,
-            disk_blocks=disk_blocks,
-            policy=policy,
+            block_size=block_size,
+            host_memory_bytes=size(host_memory),
+            disk_dir=None if disk_dir is None else str(disk_dir),
+            disk_kv_blocks=disk_blocks,
+            pause_policy=policy,
             pause_ttl_s=pause_ttl,
-            api_keys=api_keys,
             max_model_len=max_model_len,
             max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_batched_tokens,
+            max_prefill_chunk=prefill_chunk,
+            tau_high=tau_high,
             device=device,
             dtype=dtype,
+        )
+        options = ServeOptions(
+            model=model,
+            engine=config,
+            api_keys=api_keys,
             limits=ServerLimits(
                 max_tokens_limit=max_tokens_limit,
                 max_n=max_n,

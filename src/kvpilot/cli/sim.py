@@ -18,8 +18,20 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
+from kvpilot.cli.options import (
+    BlockSize,
+    HostMemory,
+    KvBlocks,
+    MaxBatchedTokens,
+    MaxModelLen,
+    MaxNumSeqs,
+    PrefillChunk,
+    TauHigh,
+    engine_config,
+    size,
+)
 from kvpilot.errors import ConfigError, KvpilotError
-from kvpilot.units import parse_duration
+from kvpilot.units import parse_bytes, parse_duration
 
 MINISWE_RELATIVE = Path("traces") / "lmcache-agent-trace" / "miniswe"
 
@@ -84,25 +96,23 @@ def sim(
     ] = None,
     duration: Annotated[str, typer.Option(help="Simulated time: 3600, 30m, 1h.")] = "1h",
     seed: Annotated[int | None, typer.Option(help="Workload seed (overrides the YAML).")] = None,
-    kv_blocks: Annotated[
-        int | None, typer.Option(help="KV pool blocks (default: what plan leaves).")
-    ] = None,
-    reserve_gb: Annotated[float, typer.Option(help="Runtime reserve per device (GB).")] = 2.5,
-    host_kv_gb: Annotated[
-        float | None,
-        typer.Option(help="Host KV tier per device (GB; default half its host memory; 0: none)."),
-    ] = None,
+    kv_blocks: KvBlocks = None,
+    block_size: BlockSize = None,
+    reserve: Annotated[
+        str, typer.Option(help="Runtime reserve per device, with a unit, e.g. 2.5GB.")
+    ] = "2.5GB",
+    host_memory: HostMemory = None,
     mfu: Annotated[float, typer.Option(help="Achieved fraction of peak FLOP/s.")] = 0.5,
     hbm_efficiency: Annotated[float, typer.Option(help="Achieved fraction of HBM BW.")] = 0.8,
     step_overhead_ms: Annotated[float, typer.Option(help="Fixed host cost per step.")] = 1.0,
     profile: Annotated[
         Path | None, typer.Option(help="Step profile from `kvpilot calibrate` (not roofline).")
     ] = None,
-    max_num_seqs: Annotated[int, typer.Option(help="Running sequences at most.")] = 256,
-    max_batched_tokens: Annotated[int, typer.Option(help="Token budget per step.")] = 2048,
-    prefill_chunk: Annotated[int, typer.Option(help="Prefill chunk per sequence.")] = 512,
-    tau_high: Annotated[float, typer.Option(help="Admission ceiling on KV usage.")] = 0.9,
-    max_model_len: Annotated[int, typer.Option(help="Model context length.")] = 131072,
+    max_num_seqs: MaxNumSeqs = 256,
+    max_batched_tokens: MaxBatchedTokens = None,
+    prefill_chunk: PrefillChunk = None,
+    tau_high: TauHigh = None,
+    max_model_len: MaxModelLen = 131072,
     sample_interval: Annotated[float, typer.Option(help="Telemetry sample period (s).")] = 1.0,
     time_scale: Annotated[float, typer.Option(help="Replay: scale trace timestamps.")] = 1.0,
     tokenizer: Annotated[
@@ -117,8 +127,7 @@ def sim(
     """Simulate agent serving on virtual time with the engine's own scheduler and memory."""
     import dataclasses
 
-    from kvpilot.engine.config import EngineConfig
-    from kvpilot.sim.build import SimSetup, run_simulation
+    from kvpilot.sim.build import DEFAULT_MAX_MODEL_LEN, SimSetup, run_simulation
     from kvpilot.sim.policies import DEFAULT_COMPARISON
     from kvpilot.sim.replay import ReplayOptions, load_replay
     from kvpilot.sim.report import print_comparison, print_result
@@ -132,19 +141,20 @@ def sim(
             node=node,
             tp=tp,
             kv_blocks=kv_blocks,
-            reserve_bytes_per_device=reserve_gb * 1e9,
-            host_kv_bytes_per_device=None if host_kv_gb is None else host_kv_gb * 1e9,
+            reserve_bytes_per_device=parse_bytes(reserve),
+            host_kv_bytes_per_device=size(host_memory),
             mfu=mfu,
             hbm_efficiency=hbm_efficiency,
             step_overhead_s=step_overhead_ms / 1e3,
             profile=profile,
-            engine=EngineConfig(
+            engine=engine_config(
+                block_size=block_size,
                 max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=max_batched_tokens,
                 max_prefill_chunk=prefill_chunk,
                 tau_high=tau_high,
             ),
-            max_model_len=max_model_len,
+            max_model_len=max_model_len or DEFAULT_MAX_MODEL_LEN,
             duration_s=seconds,
             sample_interval_s=sample_interval,
         )
@@ -237,15 +247,14 @@ def _write_figures(out: Path, setup: Any, results: list[Any], console: Console) 
     out.mkdir(parents=True, exist_ok=True)
     first = results[0]
     written = [
-        plots.plot_kv_usage(first, out / "kv_usage.png", setup.engine.tau_high),
+        plots.plot_kv_usage(first, out / "kv_usage.png", setup.engine.scheduler.tau_high),
         plots.plot_latency(first, out / "latency.png"),
     ]
     if len(results) > 1:
         written.append(plots.plot_policy_comparison(results, out / "policies.png"))
         for r in results[1:]:
-            written.append(
-                plots.plot_kv_usage(r, out / f"kv_usage-{r.label}.png", setup.engine.tau_high)
-            )
+            path = out / f"kv_usage-{r.label}.png"
+            written.append(plots.plot_kv_usage(r, path, setup.engine.scheduler.tau_high))
     if setup.profile is None:
         geometry, node_obj = setup.geometry(), setup.parsed_node()
         written.append(

@@ -1,7 +1,13 @@
 """The engine: scheduler, step loop, clock, sampling parameters, sessions."""
 
 from kvpilot.engine.clock import Clock, VirtualClock, WallClock
-from kvpilot.engine.config import EngineConfig
+from kvpilot.engine.config import (
+    EngineConfig,
+    PauseConfig,
+    RunnerConfig,
+    SchedulerConfig,
+    TierConfig,
+)
 from kvpilot.engine.engine import Engine
 from kvpilot.engine.executor import Executor, SeqWork, StepOutput
 from kvpilot.engine.request import CompletionOutput, RequestOutput
@@ -16,11 +22,15 @@ __all__ = [
     "EngineConfig",
     "EngineStats",
     "Executor",
+    "PauseConfig",
     "RequestOutput",
+    "RunnerConfig",
     "SamplingParams",
+    "SchedulerConfig",
     "SeqWork",
     "Session",
     "StepOutput",
+    "TierConfig",
     "VirtualClock",
     "WallClock",
 ]

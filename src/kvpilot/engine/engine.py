@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvpilot.engine.clock import Clock, WallClock
-from kvpilot.engine.config import EngineConfig
+from kvpilot.engine.config import EngineConfig, check_honoured
 from kvpilot.engine.executor import Executor, TierTransport
 from kvpilot.engine.offload import OffloadManager
 from kvpilot.engine.outputs import as_prompt_list, snapshot, stop_reason
@@ -36,7 +36,6 @@ from kvpilot.engine.stats import EngineStats
 from kvpilot.errors import InvalidRequest
 from kvpilot.memory import KVConfig, KVManager
 from kvpilot.policy.breakeven import PauseDecision
-from kvpilot.policy.pause import make_pause_policy
 
 if TYPE_CHECKING:
     from kvpilot.store import DiskBlockStore, SessionStore
@@ -59,12 +58,13 @@ class Engine:
         disk: DiskBlockStore | None = None,
         session_store: SessionStore | None = None,
     ) -> None:
-        self.config = config or EngineConfig()
+        self.config = config = config or EngineConfig()
         self.executor = executor
         self.tokenizer = tokenizer
         self.clock: Clock = clock or WallClock()
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
-        limits = [x for x in (self.config.max_model_len, max_model_len) if x]
+        check_honoured(config.runner, executor, transport, disk)
+        limits = [x for x in (config.max_model_len, max_model_len) if x]
         self.max_model_len = min(limits) if limits else 1 << 30
         self.vocab_size = vocab_size
         self.limits = RequestLimits(
@@ -80,16 +80,13 @@ class Engine:
             clock=self.clock.now,
         )
         self.stats = EngineStats()
-        cfg = self.config
         self.offload = OffloadManager(
             self.kv,
-            make_pause_policy(cfg.pause_policy, ttl_s=cfg.pause_ttl_s),
+            config.pause,
             self.clock.now,
             transport=transport,
             disk=disk,
             session_store=session_store,
-            default_wait_s=cfg.default_tool_wait_s,
-            prefetch=cfg.prefetch,
             pressure=lambda: self.scheduler.memory_pressure(),
         )
         self.sessions = SessionTable(
@@ -100,7 +97,7 @@ class Engine:
             ensure_resident=self.offload.ensure_resident,
             on_admit=self.offload.on_admit,
         )
-        self.scheduler = Scheduler(self.config, self.kv, hooks)
+        self.scheduler = Scheduler(config.scheduler, self.kv, hooks)
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
@@ -115,13 +112,15 @@ class Engine:
     ) -> Engine:
         """Load a checkpoint folder (or the built-in ``tiny``) and build an engine on it.
 
-        ``options`` are `EngineConfig` fields (and ``cache_dir``); see `kvpilot.model.build`.
+        ``options`` are flat `EngineConfig` names (`FLAT_OPTIONS`, e.g. ``kv_blocks=64``,
+        ``host_memory_bytes=...``, ``pause_policy="drop"``) and ``cache_dir``; or pass a whole
+        ``config=EngineConfig(...)``. See `kvpilot.model.build.build_engine`.
         """
         from kvpilot.model.build import build_engine
 
         cache_dir = options.pop("cache_dir", None)
-        config = EngineConfig.from_kwargs(**options)
-        return build_engine(model, config, clock=clock, cache_dir=cache_dir)
+        config = options.pop("config", None) or EngineConfig()
+        return build_engine(model, config.replace(**options), clock=clock, cache_dir=cache_dir)
 
     # -- requests ---------------------------------------------------------------------
 
@@ -215,7 +214,7 @@ class Engine:
         self, sched: SchedulerOutput, sampled: dict[int, list[int]], now: float, snapshots: bool
     ) -> list[RequestOutput]:
         block = self.kv.block_size
-        caching = self.config.enable_prefix_caching
+        caching = self.config.scheduler.enable_prefix_caching
         progressed: dict[str, Request] = {}
         for item in sched.scheduled:
             seq = item.seq
@@ -248,7 +247,7 @@ class Engine:
         children: list[Sequence] = []
         # Speculative branches are gated first under pressure: past tau_high they wait in
         # the queue (recomputing only their tail from the cache) instead of running now.
-        gated = self.scheduler.held_usage() >= self.config.tau_high
+        gated = self.scheduler.held_usage() >= self.config.scheduler.tau_high
         for index in range(1, len(tokens)):
             fork = self.kv.fork_or_defer(parent.traj, defer=gated)
             if fork.deferred:
@@ -295,7 +294,7 @@ class Engine:
         if session is not None and seq.traj is session.traj:
             seq.traj.finish_turn()
         else:
-            if not self.config.enable_prefix_caching:
+            if not self.config.scheduler.enable_prefix_caching:
                 seq.traj.release_kv(keep_in_cache=False)
             seq.traj.close()
             self.offload.trajectory_closed(seq.traj)

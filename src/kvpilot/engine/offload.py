@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from kvpilot.engine.config import PauseConfig
 from kvpilot.engine.executor import TierTransport
 from kvpilot.engine.tier_mover import TierMover
 from kvpilot.engine.tier_stats import PauseRecord, TierStats
@@ -27,7 +28,7 @@ from kvpilot.memory import KVManager, RadixNode, Tier, Trajectory
 from kvpilot.memory.residency import Residency
 from kvpilot.policy.breakeven import PauseAction, PauseDecision, PauseInputs
 from kvpilot.policy.meters import PrefillRateMeter, WaitPredictor
-from kvpilot.policy.pause import PausePolicy
+from kvpilot.policy.pause import PausePolicy, make_pause_policy
 
 if TYPE_CHECKING:
     from kvpilot.engine.request import Sequence
@@ -62,27 +63,27 @@ class OffloadManager:
     def __init__(
         self,
         kv: KVManager,
-        policy: PausePolicy,
+        config: PauseConfig,
         clock: Callable[[], float],
         *,
         transport: TierTransport | None = None,
         disk: DiskBlockStore | None = None,
         session_store: SessionStore | None = None,
-        default_wait_s: float = 1.0,
-        prefetch: bool = True,
         pressure: Callable[[], float] | None = None,
+        policy: PausePolicy | None = None,
     ) -> None:
         self.kv = kv
         self.radix = kv.radix
-        self.policy = policy
+        self.config = config
+        self.policy = policy or make_pause_policy(config.policy, ttl_s=config.ttl_s)
         self.now = clock
         self.session_store = session_store
-        self.prefetch_enabled = prefetch
+        self.prefetch_enabled = config.prefetch
         self.pressure = pressure or (lambda: self.kv.device.usage)
         self.stats = TierStats()
         self.mover = TierMover(kv, self.stats, clock, transport, disk)
         self.prefill = PrefillRateMeter()
-        self.waits = WaitPredictor(default_wait_s)
+        self.waits = WaitPredictor(config.default_tool_wait_s)
         self.records: dict[str, PauseRecord] = {}
         self.high_water: dict[int, int] = {}  # traj_id -> most tokens ever computed
         self._timers: list[_Timer] = []

@@ -20,7 +20,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvpilot.engine.config import EngineConfig
+from kvpilot.engine.config import SchedulerConfig
 from kvpilot.engine.executor import SeqWork
 from kvpilot.engine.request import SeqStatus, Sequence
 from kvpilot.errors import OutOfBlocks
@@ -68,7 +68,7 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(
-        self, config: EngineConfig, kv: KVManager, hooks: AdmissionHooks | None = None
+        self, config: SchedulerConfig, kv: KVManager, hooks: AdmissionHooks | None = None
     ) -> None:
         self.config = config
         self.kv = kv

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvpilot.engine.clock import Clock
-from kvpilot.engine.config import EngineConfig
+from kvpilot.engine.config import DEFAULT_BLOCK_SIZE, EngineConfig
 from kvpilot.engine.engine import Engine
 from kvpilot.model.runner import ModelRunner
 
@@ -23,44 +23,56 @@ def build_engine(
     clock: Clock | None = None,
     cache_dir: Path | None = None,
 ) -> Engine:
-    """An engine on the checkpoint folder ``model`` (or the built-in ``tiny``)."""
+    """An engine on the checkpoint folder ``model`` (or the built-in ``tiny``).
+
+    Every `RunnerConfig` field is honoured: the pool is ``kv_blocks`` blocks, or as many as
+    ``kv_memory_bytes`` holds (default 1 GiB); the host tier is ``host_kv_blocks`` blocks, or
+    as many as ``host_memory_bytes`` holds; the disk tier lives in ``disk_dir``.
+    """
     config = config or EngineConfig()
-    kv_memory = config.kv_memory_bytes
-    if config.kv_blocks is None and kv_memory is None:
+    rc = config.runner
+    kv_memory = rc.kv_memory_bytes
+    if rc.kv_blocks is None and kv_memory is None:
         kv_memory = DEFAULT_KV_MEMORY_BYTES
+    given = {"dtype": rc.dtype, "device": rc.device, "attention": rc.attention}
     runner = ModelRunner(
         model,
-        num_blocks=config.kv_blocks,
-        kv_memory_bytes=None if config.kv_blocks is not None else kv_memory,
-        block_size=config.block_size,
-        dtype=config.dtype,
-        device=config.device,
-        attention=config.attention,
+        num_blocks=rc.kv_blocks,
+        kv_memory_bytes=kv_memory,
+        block_size=rc.block_size or DEFAULT_BLOCK_SIZE,
         cache_dir=cache_dir,
+        **{k: v for k, v in given.items() if v is not None},
     )
+    tiers = rc.tiers
     transport = disk = sessions = None
-    if config.has_tiers:
+    if tiers.any:
         from kvpilot.model.transfer import TorchTierTransport
 
-        host_blocks = config.host_kv_blocks or (
-            (config.host_memory_bytes or 0) // runner.kv_bytes_per_block
+        host_blocks = tiers.host_kv_blocks or (
+            (tiers.host_memory_bytes or 0) // runner.kv_bytes_per_block
         )
         transport = TorchTierTransport(runner.kv_cache, host_blocks)
-    if config.disk_dir is not None and transport is not None:
+    if tiers.disk_dir is not None and transport is not None:
         from kvpilot.store import DiskBlockStore, SessionStore
 
-        folder = Path(config.disk_dir)
-        disk = DiskBlockStore(folder, config.disk_kv_blocks, transport.block_bytes)
+        folder = Path(tiers.disk_dir)
+        disk = DiskBlockStore(folder, tiers.disk_slots, transport.block_bytes)
         sessions = SessionStore(folder)
-    return Engine(
-        runner,
-        config,
-        tokenizer=runner.tokenizer,
-        eos_token_ids=runner.eos_token_ids,
-        max_model_len=runner.max_model_len,
-        vocab_size=runner.config.vocab_size,
-        clock=clock,
-        transport=transport,
-        disk=disk,
-        session_store=sessions,
-    )
+    try:
+        return Engine(
+            runner,
+            config,
+            tokenizer=runner.tokenizer,
+            eos_token_ids=runner.eos_token_ids,
+            max_model_len=runner.max_model_len,
+            vocab_size=runner.config.vocab_size,
+            clock=clock,
+            transport=transport,
+            disk=disk,
+            session_store=sessions,
+        )
+    except BaseException:
+        for opened in (disk, sessions, transport):
+            if opened is not None:
+                opened.close()
+        raise

@@ -88,12 +88,12 @@ def _cached_prefix_blocks(radix: RadixCache, tokens: array, salt: str | None) ->
 def describe_tiers(engine: Engine) -> dict[str, Any]:
     """The tiers and pause policy as the engine applied them (for /health)."""
     mover = engine.offload.mover
-    config = engine.config
+    pause = engine.config.pause
     block_bytes = mover.block_bytes
     host = mover.host_pool
     disk = mover.disk
     return {
-        "policy": config.pause_policy,
+        "policy": pause.policy,
         "block_bytes": block_bytes,
         "device": {"blocks": engine.kv.device.num_blocks, "block_size": engine.kv.block_size},
         "host": {
@@ -104,10 +104,10 @@ def describe_tiers(engine: Engine) -> dict[str, Any]:
         },
         "disk": {
             "enabled": disk is not None,
-            "dir": config.disk_dir if disk is not None else None,
+            "dir": engine.config.runner.tiers.disk_dir if disk is not None else None,
             "blocks": disk.num_slots if disk is not None else 0,
             "bw_bytes_s": mover.disk_bw(),
         },
-        "prefetch": config.prefetch,
-        "default_tool_wait_s": config.default_tool_wait_s,
+        "prefetch": pause.prefetch,
+        "default_tool_wait_s": pause.default_tool_wait_s,
     }

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvpilot.engine.clock import VirtualClock
-from kvpilot.engine.config import EngineConfig
+from kvpilot.engine.config import DEFAULT_BLOCK_SIZE, EngineConfig
 from kvpilot.engine.engine import Engine
 from kvpilot.errors import ConfigError
 from kvpilot.sim.cost_model import (
@@ -56,7 +56,9 @@ class SimSetup:
     profile: Path | None = None
     host_kv_bytes_per_device: float | None = None
     engine: EngineConfig = dataclasses.field(
-        default_factory=lambda: EngineConfig(max_num_seqs=256, max_num_batched_tokens=2048)
+        default_factory=lambda: EngineConfig.from_kwargs(
+            max_num_seqs=256, max_num_batched_tokens=2048
+        )
     )
     max_model_len: int = DEFAULT_MAX_MODEL_LEN
     duration_s: float = 3600.0
@@ -70,9 +72,26 @@ class SimSetup:
         if self.max_model_len < 2:
             raise ConfigError("--max-model-len must be at least 2")
         if self.host_kv_bytes_per_device is not None and self.host_kv_bytes_per_device < 0:
-            raise ConfigError("--host-kv-gb must not be negative")
-        if self.engine.disk_dir is not None:
+            raise ConfigError("--host-memory must not be negative")
+        runner = self.engine.runner
+        refused = {
+            "kv_blocks": "give SimSetup.kv_blocks (--kv-blocks)",
+            "kv_memory_bytes": "the pool is what the plan leaves, or SimSetup.kv_blocks",
+            "dtype": "the model geometry sets the KV dtype",
+            "device": "the node sets the device",
+            "attention": "the cost model has no attention backends",
+        }
+        for name, instead in refused.items():
+            if getattr(runner, name) is not None:
+                raise ConfigError(f"the simulator cannot honour runner {name}: {instead}")
+        tiers = runner.tiers
+        if tiers.disk_dir is not None:
             raise ConfigError("the simulator has no disk tier: leave disk_dir unset")
+        if tiers.has_host:
+            raise ConfigError(
+                "the simulator sizes its host tier per device: give "
+                "SimSetup.host_kv_bytes_per_device (--host-memory), not the runner's tiers"
+            )
 
     def geometry(self) -> ModelGeometry:
         return resolve_geometry(self.model)
@@ -82,6 +101,9 @@ class SimSetup:
 
     def tp_degree(self) -> int:
         return self.parsed_node().count if self.tp is None else self.tp
+
+    def block_size(self) -> int:
+        return self.engine.runner.block_size or DEFAULT_BLOCK_SIZE
 
 
 def kv_pool_blocks(
@@ -106,7 +128,7 @@ def make_transport(setup: SimSetup, clock: VirtualClock) -> SimulatedTransport |
     accel = node.accelerator
     if host_bytes is None:
         host_bytes = accel.host_mem_bytes / 2
-    block_bytes = setup.engine.block_size * geometry.bytes_per_token(setup.tp_degree())
+    block_bytes = setup.block_size() * geometry.bytes_per_token(setup.tp_degree())
     blocks = int(host_bytes // block_bytes)
     if blocks < 1:
         return None
@@ -119,7 +141,7 @@ def make_transport(setup: SimSetup, clock: VirtualClock) -> SimulatedTransport |
 
 
 def make_cost_model(setup: SimSetup) -> StepCostModel:
-    block = setup.engine.block_size
+    block = setup.block_size()
     if setup.profile is not None:
         profile = StepProfile.load(setup.profile)
         if profile.block_size != block:
@@ -152,12 +174,12 @@ def build_engine(
             setup.geometry(),
             node,
             setup.tp_degree(),
-            config.block_size,
+            setup.block_size(),
             setup.reserve_bytes_per_device,
         )
     clock = VirtualClock()
     runner = SimulatedRunner(
-        cost, clock, num_blocks=blocks, block_size=config.block_size, vocab_size=vocab_size
+        cost, clock, num_blocks=blocks, block_size=setup.block_size(), vocab_size=vocab_size
     )
     engine = Engine(
         runner,

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from kvpilot.engine.clock import VirtualClock
-from kvpilot.engine.config import EngineConfig
+from kvpilot.engine.config import DEFAULT_BLOCK_SIZE, EngineConfig
 from kvpilot.engine.engine import Engine
 from kvpilot.engine.executor import Executor, SeqWork, StepOutput
 from kvpilot.engine.sampling import SamplingParams
@@ -47,7 +47,11 @@ from kvpilot.sim.replay import ReplaySession
 from kvpilot.sim.runner import SimulatedRunner
 from kvpilot.sim.simulator import Simulator
 
-CALIBRATION_CONFIG = EngineConfig(max_num_batched_tokens=1024, max_prefill_chunk=512)
+CALIBRATION_CONFIG = EngineConfig.from_kwargs(max_num_batched_tokens=1024, max_prefill_chunk=512)
+
+
+def _block_size(config: EngineConfig) -> int:
+    return config.runner.block_size or DEFAULT_BLOCK_SIZE
 
 
 class ProcessClock:
@@ -118,10 +122,10 @@ def real_engine(
     runner = ModelRunner(
         model,
         num_blocks=kv_blocks,
-        block_size=config.block_size,
+        block_size=_block_size(config),
         dtype=dtype,
         device=device,
-        attention=config.attention,
+        attention=config.runner.attention or "torch",
     )
     timed = TimedExecutor(runner)
     engine = Engine(
@@ -295,9 +299,9 @@ def calibrate(
     return fit_profile(
         samples,
         model=str(model),
-        device=config.device,
-        dtype=config.dtype,
-        block_size=config.block_size,
+        device="cpu",
+        dtype="float32",
+        block_size=_block_size(config),
         copy_block_s=copy_s,
     )
 
@@ -395,7 +399,7 @@ def check_replay(
         CalibratedCostModel(profile),
         clock,
         num_blocks=kv_blocks,
-        block_size=config.block_size,
+        block_size=_block_size(config),
         vocab_size=real.vocab_size or 32000,
     )
     simulated = Engine(

@@ -1,6 +1,6 @@
 """Named serving policies the simulator can run and compare on the same workload and seed.
 
-A policy is a set of `EngineConfig` overrides. Every pause policy of the engine
+A policy is a set of `EngineConfig` overrides (flat option names). Every pause policy of the engine
 (`kvpilot.policy.pause.POLICY_NAMES`: breakeven, retain, drop, offload-host, offload-disk,
 ttl, lru) is a policy of the same name; ``default`` is the engine's defaults; ``tau-X`` is
 any admission ceiling (e.g. ``tau-0.8``); ``no-prefix-cache`` and ``monolithic`` switch off
@@ -9,7 +9,6 @@ prefix caching and chunked prefill.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 
 from kvpilot.engine.config import EngineConfig
@@ -69,6 +68,6 @@ def apply_policy(policy: SimPolicy, config: EngineConfig) -> tuple[EngineConfig,
     if policy.engine_overrides.get("pause_policy") == "offload-disk":
         note = "the simulator has no disk tier: offload-disk decisions fall back as the engine does"
     try:
-        return dataclasses.replace(config, **policy.engine_overrides), note
-    except (TypeError, ValueError) as exc:
+        return config.replace(**policy.engine_overrides), note
+    except ConfigError as exc:
         raise ConfigError(f"policy {policy.name!r} does not apply to this engine: {exc}") from exc
