@@ -3,9 +3,17 @@
 Every block carries simulated KV: position p of a sequence holds ``kv(tokens[:p+1])``. A
 write must only ever land in a block its trajectory holds privately (copy-on-write), and
 every block a trajectory or the radix reads must hold exactly the KV of its tokens.
+
+Tier moves run through the `TierResidency` as the engine's tier mover drives it: a move to
+host pins and move-locks, and finishes (or fails) later, after any number of other
+operations (matches that split nodes, evictions, closes); a load back to the device pins
+its blocks likewise. Whatever happens meanwhile, the KV of every copy must stay right.
 """
 
 from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass, field
 
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -24,6 +32,23 @@ def kv(tokens: list[int], pos: int) -> int:
     return hash(tuple(tokens[: pos + 1]))
 
 
+@dataclass
+class InFlight:
+    """A copy between tiers: ``mapping`` from source block to destination block (to disk:
+    the device blocks being written, mapped to themselves)."""
+
+    src: Tier
+    dst: Tier
+    nodes: list[RadixNode]
+    mapping: dict[int, int] = field(default_factory=dict)
+
+    def pins(self) -> list[tuple[Tier, int]]:
+        src = [(self.src, b) for b in self.mapping]
+        if self.dst is Tier.DISK:
+            return src
+        return src + [(self.dst, b) for b in self.mapping.values()]
+
+
 def path_tokens(node: RadixNode) -> list[int]:
     parts = []
     while node.parent is not None:
@@ -32,13 +57,19 @@ def path_tokens(node: RadixNode) -> list[int]:
     return [t for part in reversed(parts) for t in part]
 
 
-class MemoryMachine(RuleBasedStateMachine):
+class TierMachine(RuleBasedStateMachine):
+    """Agents that work, pause to host, come back (during the move, or after), and leave."""
+
     def __init__(self) -> None:
         super().__init__()
         self.mgr = KVManager(KVConfig(block_size=B, num_device_blocks=14, num_host_blocks=8))
         self.closed: list[Trajectory] = []
         self.device_kv: dict[int, dict[int, int]] = {}
         self.host_kv: dict[int, dict[int, int]] = {}
+        self.in_flight: list[InFlight] = []
+
+    def store(self, tier: Tier) -> dict[int, dict[int, int]]:
+        return self.device_kv if tier is Tier.DEVICE else self.host_kv
 
     # ---- helpers -------------------------------------------------------------------------
 
@@ -104,6 +135,207 @@ class MemoryMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.mgr.trajectories)
     @rule(i=st.integers(0, 50))
+    def close(self, i: int) -> None:
+        traj = self.pick(i)
+        traj.close()
+        self.closed.append(traj)
+
+    @rule(n=st.integers(1, 12), tier=st.sampled_from([Tier.DEVICE, Tier.HOST]))
+    def evict(self, n: int, tier: Tier) -> None:
+        evictable = self.mgr.radix.evictable_blocks(tier)
+        freed = self.mgr.radix.evict(n, tier)
+        if not self.mgr.residency.pins[tier]:  # a pinned block outlives its eviction
+            assert freed >= min(n, evictable)
+
+    @precondition(lambda self: self.mgr.trajectories)
+    @rule(i=st.integers(0, 50))
+    def pause_to_host(self, i: int) -> None:
+        """As the offload manager's OFFLOAD_HOST: release the trajectory's KV to the cache, then
+        `TierMover.swap_out` its exclusive nodes: pin both ends, move-lock, copy off the loop."""
+        traj = self.pick(i)
+        traj.commit()  # a turn ends committed
+        residency = self.mgr.residency
+        nodes = [n for n in residency.exclusive_nodes(traj) if Tier.DEVICE in n.blocks]
+        traj.release_kv(keep_in_cache=True)
+        mapping: dict[int, int] = {}
+        chosen = []
+        for node in nodes:
+            dev = node.blocks.get(Tier.DEVICE)
+            if not node.alive or not dev or Tier.HOST in node.blocks or node.lock_count:
+                continue
+            host = residency.allocate_pinned(Tier.HOST, len(dev))
+            if host is None:
+                break
+            residency.pin(Tier.DEVICE, dev)
+            mapping.update(zip(dev, host, strict=True))
+            chosen.append(node)
+        if chosen:
+            residency.lock_for_move(chosen)
+            self.in_flight.append(InFlight(Tier.DEVICE, Tier.HOST, chosen, mapping))
+
+    @precondition(lambda self: self.mgr.trajectories)
+    @rule(i=st.integers(0, 50))
+    def pause_to_disk(self, i: int) -> None:
+        """As OFFLOAD_DISK: `TierMover.write_disk` pins and move-locks the exclusive nodes."""
+        traj = self.pick(i)
+        traj.commit()
+        residency = self.mgr.residency
+        nodes = [n for n in residency.exclusive_nodes(traj) if Tier.DEVICE in n.blocks]
+        traj.release_kv(keep_in_cache=True)
+        chosen = [n for n in nodes if n.alive and n.lock_count == 0]
+        ids = [b for n in chosen for b in n.blocks[Tier.DEVICE]]
+        if chosen:
+            residency.pin(Tier.DEVICE, ids)
+            residency.lock_for_move(chosen)
+            self.in_flight.append(InFlight(Tier.DEVICE, Tier.DISK, chosen, {b: b for b in ids}))
+
+    @precondition(lambda self: any(j.src is Tier.DEVICE for j in self.in_flight))
+    @rule(k=st.integers(0, 50), extra=small_tokens)
+    def resume_while_moving_out(self, k: int, extra: list[int]) -> None:
+        """The agent is back before its KV has left: a trajectory locks a moving node."""
+        moving = [n for j in self.in_flight if j.src is Tier.DEVICE for n in j.nodes if n.alive]
+        if not moving:
+            return
+        node = moving[k % len(moving)]
+        root = node
+        while root.parent is not None:
+            root = root.parent
+        salt = next(s for s, r in self.mgr.radix.roots().items() if r is root)
+        traj = self.mgr.open_trajectory(salt, [*path_tokens(node), *extra, 1])
+        assert traj.reuse_prefix() >= node.depth_tokens
+
+    @rule(j=st.integers(0, 50))
+    def start_load_to_device(self, j: int) -> None:
+        """As `TierLoader.ensure_resident`: device blocks pinned for a node's host copy."""
+        residency = self.mgr.residency
+        nodes = [n for n in self.nodes() if Tier.HOST in n.blocks and Tier.DEVICE not in n.blocks]
+        if not nodes:
+            return
+        node = nodes[j % len(nodes)]
+        host = node.blocks[Tier.HOST]
+        dev = residency.allocate_pinned(Tier.DEVICE, len(host))
+        if dev is None:
+            return
+        residency.pin(Tier.HOST, host)
+        self.in_flight.append(
+            InFlight(Tier.HOST, Tier.DEVICE, [node], dict(zip(host, dev, strict=True)))
+        )
+
+    @precondition(lambda self: self.in_flight)
+    @rule(
+        k=st.integers(0, 50),
+        fail=st.sampled_from([False, False, False, True]),
+        lost=st.sets(st.integers(0, 13)),
+    )
+    def finish_copy(self, k: int, fail: bool, lost: set[int]) -> None:
+        self.finish(self.in_flight.pop(k % len(self.in_flight)), fail, lost)
+
+    def finish(self, job: InFlight, fail: bool, lost: Collection[int] = ()) -> None:
+        residency = self.mgr.residency
+        if job.src is Tier.DEVICE:
+            residency.unlock_move(job.nodes)
+        if job.dst is Tier.DISK:  # some writes may fail: only what was written may go
+            written = set() if fail else set(job.mapping) - set(lost)
+            before: dict[RadixNode, list[int]] = {}
+            for bottom in job.nodes:
+                node = bottom
+                while node.parent is not None and node.alive:
+                    before[node] = list(node.blocks.get(Tier.DEVICE, ()))
+                    node = node.parent
+            for bottom in job.nodes:
+                residency.drop_moved_path(bottom, written)
+            for node, dev in before.items():
+                if dev and (not node.alive or Tier.DEVICE not in node.blocks):
+                    assert set(dev) <= written, "a device copy went that was not written"
+            residency.unpin(Tier.DEVICE, list(job.mapping))
+            return
+        if fail:  # a failed copy: everything stays where it was
+            residency.unpin(job.dst, list(job.mapping.values()))
+            residency.unpin(job.src, list(job.mapping))
+            return
+        src, dst = self.store(job.src), self.store(job.dst)
+        for a, b in job.mapping.items():
+            dst[b] = dict(src[a])  # the copy (its source was pinned all along)
+        used: set[int] = set()
+        for node in job.nodes:
+            attached, got = residency.attach(node, job.src, job.dst, job.mapping)
+            used |= got
+            if job.dst is Tier.HOST:
+                residency.drop_device_copies(attached)
+        for b in job.mapping.values():
+            residency.unpin(job.dst, [b], drop_reference=b not in used)
+        residency.unpin(job.src, list(job.mapping))
+
+    # ---- checks --------------------------------------------------------------------------
+
+    @invariant()
+    def structures_are_consistent(self) -> None:
+        self.mgr.check_invariants()
+        for traj in self.closed:
+            assert traj.closed and not traj.block_table and traj.num_computed_tokens == 0
+
+    @invariant()
+    def pins_and_move_locks_are_the_copies_in_flight(self) -> None:
+        residency = self.mgr.residency
+        held: dict[tuple[Tier, int], int] = {}
+        for job in self.in_flight:
+            for key in job.pins():
+                held[key] = held.get(key, 0) + 1
+        assert {(t, b): n for t, b, n in residency.pinned()} == held
+        locks: dict[RadixNode, int] = {}
+        for job in self.in_flight:
+            if job.src is Tier.DEVICE:
+                for node in job.nodes:
+                    locks[node] = locks.get(node, 0) + 1
+        assert dict(residency.move_locks) == locks
+
+    @invariant()
+    def trajectories_read_the_kv_of_their_tokens(self) -> None:
+        for traj in self.mgr.trajectories.values():
+            for pos in range(traj.num_computed_tokens):
+                block = traj.block_table[pos // B]
+                assert self.device_kv[block].get(pos % B) == kv(traj.tokens, pos)
+
+    @invariant()
+    def radix_blocks_hold_the_kv_of_their_path(self) -> None:
+        for node in self.nodes():
+            tokens = path_tokens(node)
+            first = node.depth_tokens - len(node.tokens)
+            for tier, store in ((Tier.DEVICE, self.device_kv), (Tier.HOST, self.host_kv)):
+                for i, block in enumerate(node.blocks.get(tier, ())):
+                    for off in range(B):
+                        pos = first + i * B + off
+                        assert store[block].get(off) == kv(tokens, pos)
+
+    @invariant()
+    def shared_prefix_is_what_the_radix_returns(self) -> None:
+        radix = self.mgr.radix
+        for traj in self.mgr.trajectories.values():
+            locked = traj.locked_tokens
+            match = radix.match(traj.tokens[:locked], traj.salt, record=False)
+            assert match.num_tokens == locked
+            assert match.blocks() == traj.block_table[: locked // B]
+
+    def teardown(self) -> None:
+        while self.in_flight:
+            self.finish(self.in_flight.pop(), fail=False)
+        self.mgr.check_invariants()
+        for traj in list(self.mgr.trajectories.values()):
+            traj.close()
+        self.mgr.check_invariants()
+        for tier in (Tier.DEVICE, Tier.HOST):
+            self.mgr.radix.evict(10**6, tier)
+        assert self.mgr.radix.num_nodes == 0
+        for pool in self.mgr.pools.values():
+            assert pool.num_free == pool.num_blocks
+        self.mgr.check_invariants()
+
+
+class MemoryMachine(TierMachine):
+    """Every operation of the memory core, tier moves included."""
+
+    @precondition(lambda self: self.mgr.trajectories)
+    @rule(i=st.integers(0, 50))
     def commit(self, i: int) -> None:
         traj = self.pick(i)
         traj.commit()
@@ -134,19 +366,6 @@ class MemoryMachine(RuleBasedStateMachine):
         traj = self.pick(i)
         traj.release_kv(keep_in_cache=keep)
         assert traj.block_table == [] and traj.num_computed_tokens == 0
-
-    @precondition(lambda self: self.mgr.trajectories)
-    @rule(i=st.integers(0, 50))
-    def close(self, i: int) -> None:
-        traj = self.pick(i)
-        traj.close()
-        self.closed.append(traj)
-
-    @rule(n=st.integers(1, 12), tier=st.sampled_from([Tier.DEVICE, Tier.HOST]))
-    def evict(self, n: int, tier: Tier) -> None:
-        evictable = self.mgr.radix.evictable_blocks(tier)
-        freed = self.mgr.radix.evict(n, tier)
-        assert freed >= min(n, evictable)
 
     @rule(j=st.integers(0, 50))
     def add_copy_to_host(self, j: int) -> None:
@@ -186,52 +405,6 @@ class MemoryMachine(RuleBasedStateMachine):
         assert len(residency) == anywhere.num_tokens // B and all(residency)
         assert all(Tier.DEVICE in r for r in residency[: on_device.num_tokens // B])
 
-    # ---- checks --------------------------------------------------------------------------
-
-    @invariant()
-    def structures_are_consistent(self) -> None:
-        self.mgr.check_invariants()
-        for traj in self.closed:
-            assert traj.closed and not traj.block_table and traj.num_computed_tokens == 0
-
-    @invariant()
-    def trajectories_read_the_kv_of_their_tokens(self) -> None:
-        for traj in self.mgr.trajectories.values():
-            for pos in range(traj.num_computed_tokens):
-                block = traj.block_table[pos // B]
-                assert self.device_kv[block].get(pos % B) == kv(traj.tokens, pos)
-
-    @invariant()
-    def radix_blocks_hold_the_kv_of_their_path(self) -> None:
-        for node in self.nodes():
-            tokens = path_tokens(node)
-            first = node.depth_tokens - len(node.tokens)
-            for tier, store in ((Tier.DEVICE, self.device_kv), (Tier.HOST, self.host_kv)):
-                for i, block in enumerate(node.blocks.get(tier, ())):
-                    for off in range(B):
-                        pos = first + i * B + off
-                        assert store[block].get(off) == kv(tokens, pos)
-
-    @invariant()
-    def shared_prefix_is_what_the_radix_returns(self) -> None:
-        radix = self.mgr.radix
-        for traj in self.mgr.trajectories.values():
-            locked = traj.locked_tokens
-            match = radix.match(traj.tokens[:locked], traj.salt, record=False)
-            assert match.num_tokens == locked
-            assert match.blocks() == traj.block_table[: locked // B]
-
-    def teardown(self) -> None:
-        for traj in list(self.mgr.trajectories.values()):
-            traj.close()
-        self.mgr.check_invariants()
-        for tier in (Tier.DEVICE, Tier.HOST):
-            self.mgr.radix.evict(10**6, tier)
-        assert self.mgr.radix.num_nodes == 0
-        for pool in self.mgr.pools.values():
-            assert pool.num_free == pool.num_blocks
-        self.mgr.check_invariants()
-
 
 MemoryMachine.TestCase.settings = settings(
     max_examples=100,
@@ -240,3 +413,5 @@ MemoryMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 test_memory_core_under_random_agent_workloads = MemoryMachine.TestCase
+TierMachine.TestCase.settings = MemoryMachine.TestCase.settings
+test_tier_moves_under_agents_that_pause_and_return = TierMachine.TestCase

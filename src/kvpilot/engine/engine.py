@@ -386,6 +386,7 @@ class Engine:
     def check_invariants(self) -> None:
         self.kv.check_invariants()
         self.sessions.check_invariants()
+        self.offload.check_invariants(self.sessions)
         for seq in self.scheduler.running:
             assert seq.status is SeqStatus.RUNNING, f"seq {seq.seq_id} in running is {seq.status}"
             assert seq.traj.num_computed_tokens <= len(seq.traj.tokens)

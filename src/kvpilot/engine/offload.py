@@ -12,17 +12,15 @@ give way by least value per byte held.
 from __future__ import annotations
 
 import dataclasses
-import heapq
-import itertools
 import math
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kvpilot.engine.config import PauseConfig
 from kvpilot.engine.executor import TierTransport
+from kvpilot.engine.pause_timers import PauseTimers
 from kvpilot.engine.tier_mover import TierMover
-from kvpilot.engine.tier_stats import PauseRecord, TierStats
+from kvpilot.engine.tier_stats import PauseRecord, PauseState, TierStats
 from kvpilot.errors import InvalidRequest
 from kvpilot.memory import KVManager, RadixNode, Tier, Trajectory
 from kvpilot.memory.residency import Residency
@@ -49,14 +47,6 @@ class PausableSession(Protocol):
 
 DEFAULT_PREFILL_TOKENS_PER_S = 2_000.0
 IDLE_SAMPLE_S = 1.0  # how often idle memory-time is re-measured (clock seconds)
-
-
-@dataclass(order=True, slots=True)
-class _Timer:
-    at: float
-    seq: int
-    action: Callable[[], None] = field(compare=False)
-    cancelled: bool = field(default=False, compare=False)
 
 
 class OffloadManager:
@@ -86,10 +76,7 @@ class OffloadManager:
         self.waits = WaitPredictor(config.default_tool_wait_s)
         self.records: dict[str, PauseRecord] = {}
         self.high_water: dict[int, int] = {}  # traj_id -> most tokens ever computed
-        self._timers: list[_Timer] = []
-        self._timer_ids = itertools.count()
-        self._session_timers: dict[str, list[_Timer]] = {}
-        self._last_poll = clock()
+        self.timers = PauseTimers()
         self._held_sample = (clock(), 0)
 
     # -- figures --------------------------------------------------------------------------
@@ -110,17 +97,13 @@ class OffloadManager:
         if prefill_tokens > 0:
             self.prefill.observe(prefill_tokens, seconds, context_tokens)
 
-    def exclusive_nodes(self, traj: Trajectory) -> list[RadixNode]:
-        """The deepest part of the trajectory's path that no one else locks, deepest first."""
-        nodes: list[RadixNode] = []
-        node: RadixNode | None = traj.locked_node
-        while node is not None and not node.is_root and node.lock_count == 1:
-            nodes.append(node)
-            node = node.parent
-        return nodes
+    def exclusive_device_nodes(self, traj: Trajectory) -> list[RadixNode]:
+        """The device-resident part of the trajectory's path only it holds, deepest first."""
+        nodes = self.kv.residency.exclusive_nodes(traj)
+        return [n for n in nodes if Tier.DEVICE in n.blocks]
 
     def held_bytes(self, traj: Trajectory) -> int:
-        blocks = sum(n.num_blocks for n in self.exclusive_nodes(traj) if Tier.DEVICE in n.blocks)
+        blocks = sum(n.num_blocks for n in self.exclusive_device_nodes(traj))
         return (blocks + traj.num_private_blocks) * self.block_bytes
 
     # -- pausing --------------------------------------------------------------------------
@@ -136,13 +119,13 @@ class OffloadManager:
             math.isfinite(expected_wait_s) and expected_wait_s >= 0
         ):
             raise InvalidRequest("expected_wait_s must be a non-negative number of seconds")
-        self._cancel_timers(session.session_id)
+        self.timers.cancel(session.session_id)
         traj = session.traj
         if expected_wait_s is None:
             wait, source = self.waits.predict(tool)
         else:
             wait, source = float(expected_wait_s), "hint from the caller"
-        nodes = [n for n in self.exclusive_nodes(traj) if Tier.DEVICE in n.blocks]
+        nodes = self.exclusive_device_nodes(traj)
         inputs = self._inputs(traj, nodes, wait)
         decision = self._feasible(self.policy.decide(inputs))
         now = self.now()
@@ -156,7 +139,7 @@ class OffloadManager:
             paused_at=now,
             expected_return=now + wait,
             lease_until=now + lease,
-            state="retained",
+            state=PauseState.RETAINED,
         )
         self.records[session.session_id] = record
         self.stats.decisions[str(decision.action)] += 1
@@ -172,7 +155,7 @@ class OffloadManager:
         blocks = sum(n.num_blocks for n in nodes) + traj.num_private_blocks
         host = mover.host_pool
         host_free = 0.0
-        if host is not None and mover.transport is not None:
+        if host is not None and mover.has_host:
             host_free = (host.num_free + self.radix.evictable_blocks(Tier.HOST)) * self.block_bytes
         return PauseInputs(
             kv_bytes=float(blocks * self.block_bytes),
@@ -205,52 +188,52 @@ class OffloadManager:
         action = record.action
         if action is PauseAction.RETAIN:
             if math.isfinite(record.lease_until):
-                self._at(record.lease_until, session.session_id, lambda: self._expire(session))
+                expire = lambda: self._expire(session)  # noqa: E731
+                self.timers.at(record.lease_until, session.session_id, expire)
             return
         traj.release_kv(keep_in_cache=True)
         if action is PauseAction.CACHE:
-            record.state = "cached"
+            record.state = PauseState.CACHED
             return
         if action is PauseAction.DROP:
-            for node in nodes:
-                if node.alive and Tier.DEVICE in node.blocks and node.lock_count == 0:
-                    self.radix.drop_copy(node, Tier.DEVICE)
-            record.state = "dropped"
+            self.kv.residency.drop_device_copies(nodes)
+            record.state = PauseState.DROPPED
             return
         if action is PauseAction.OFFLOAD_HOST:
             self.mover.swap_out(nodes)
             reload_s = record.decision.reload_s
         else:
             self.mover.write_disk(nodes)
-            self.mover.disk_hint.add(traj.traj_id)
+            self.mover.hint_disk(traj)
             reload_s = record.decision.disk_reload_s
-        record.state = "offloaded"
+        record.state = PauseState.OFFLOADED
         if self.prefetch_enabled:
             record.prefetch_at = record.expected_return - 2 * reload_s - 0.005
-            self._at(record.prefetch_at, session.session_id, lambda: self._prefetch(session))
+            prefetch = lambda: self._prefetch(session)  # noqa: E731
+            self.timers.at(record.prefetch_at, session.session_id, prefetch)
 
     def _expire(self, session: PausableSession) -> None:
         """A retain lease ran out (ttl): let the prefix cache decide from now on."""
         record = self.records.get(session.session_id)
-        if record is None or record.state != "retained" or session.closed:
+        if record is None or record.state is not PauseState.RETAINED or session.closed:
             return
         if session.active_request is None:
             session.traj.release_kv(keep_in_cache=True)
-            record.state = "cached"
+            record.state = PauseState.CACHED
 
     def _prefetch(self, session: PausableSession) -> None:
         record = self.records.get(session.session_id)
-        if record is None or session.closed or record.state != "offloaded":
+        if record is None or session.closed or record.state is not PauseState.OFFLOADED:
             return
         if session.active_request is not None:
             return
-        record.state = "loading"
+        record.state = PauseState.LOADING
         state = self.mover.ensure_resident(
             session.traj, prefetch=True, session_id=session.session_id
         )
         if state is Residency.READY:
             session.traj.reuse_prefix(record=False)
-            record.state = "prefetched"
+            record.state = PauseState.PREFETCHED
 
     # -- resume ---------------------------------------------------------------------------
 
@@ -267,7 +250,7 @@ class OffloadManager:
             self.stats.recomputed_tokens += lost
         if seq.index == 0 and not seq.output_token_ids and seq.num_preemptions == 0:
             loaded = self.mover.take_loaded(traj)
-            seq.request.set_cached_by_tier(loaded["host"], loaded["disk"])
+            seq.request.set_cached_by_tier(loaded[Tier.HOST], loaded[Tier.DISK])
 
     def observe_computed(self, traj: Trajectory) -> None:
         """The step loop computed KV for ``traj`` (its high-water mark, for recompute counts)."""
@@ -289,13 +272,13 @@ class OffloadManager:
     def on_resume(self, session: PausableSession) -> None:
         """A paused session's next turn arrived: learn the wait, score the prefetch."""
         record = self.records.pop(session.session_id, None)
-        self._cancel_timers(session.session_id)
+        self.timers.cancel(session.session_id)
         if record is None:
             return
         self.waits.observe(record.tool, self.now() - record.paused_at)
         if record.action in (PauseAction.OFFLOAD_HOST, PauseAction.OFFLOAD_DISK):
-            job = self.mover.loads.get(session.traj.traj_id)
-            if record.state == "prefetched" and job is None:
+            job = self.mover.load_of(session.traj)
+            if record.state is PauseState.PREFETCHED and job is None:
                 self.stats.prefetch_hits += 1
             elif job is not None and job.prefetch:
                 job.prefetch = False
@@ -310,7 +293,7 @@ class OffloadManager:
 
     def restored(self, traj: Trajectory) -> None:
         """A session came back from the session store: look for its blocks on disk."""
-        self.mover.disk_hint.add(traj.traj_id)
+        self.mover.hint_disk(traj)
 
     # -- the step loop's hooks ------------------------------------------------------------
 
@@ -332,12 +315,9 @@ class OffloadManager:
             # Hold what came back, or a neighbour's load could evict it again.
             job.traj.reuse_prefix(record=False)
             record = self.records.get(job.session_id or "")
-            if job.prefetch and record is not None and record.state == "loading":
-                record.state = "prefetched"
-        while self._timers and self._timers[0].at <= now:
-            timer = heapq.heappop(self._timers)
-            if not timer.cancelled:
-                timer.action()
+            if job.prefetch and record is not None and record.state is PauseState.LOADING:
+                record.state = PauseState.PREFETCHED
+        self.timers.fire_due(now)
 
     def reclaim(self, idle: list[PausableSession]) -> int:
         """Memory pressure: demote the idle trajectory worth least per byte it holds.
@@ -357,36 +337,24 @@ class OffloadManager:
             return record.expected_return if record is not None else now + (now - s.last_used)
 
         victim = max(holders, key=next_use)
-        nodes = [n for n in self.exclusive_nodes(victim.traj) if Tier.DEVICE in n.blocks]
+        nodes = self.exclusive_device_nodes(victim.traj)
         victim.traj.release_kv(keep_in_cache=True)
         record = self.records.get(victim.session_id)
         if record is not None:
-            record.state = "cached"
-        has_host = self.mover.transport is not None and self.mover.host_pool is not None
-        if has_host and nodes and self.mover.swap_out(nodes) is not None:
+            record.state = PauseState.CACHED
+        if self.mover.has_host and nodes and self.mover.swap_out(nodes) is not None:
             self.mover.wait_moves()
         self.stats.decisions["demoted"] += 1
         return 1
 
-    # -- timers ---------------------------------------------------------------------------
-
-    def _at(self, at: float, session_id: str, action: Callable[[], None]) -> None:
-        timer = _Timer(at, next(self._timer_ids), action)
-        heapq.heappush(self._timers, timer)
-        self._session_timers.setdefault(session_id, []).append(timer)
-
-    def _cancel_timers(self, session_id: str) -> None:
-        for timer in self._session_timers.pop(session_id, []):
-            timer.cancelled = True
-
     def next_event_at(self) -> float | None:
-        live = [t.at for t in self._timers if not t.cancelled]
-        return min(live) if live else None
+        """When the next pause timer (lease end, prefetch) is due, if any."""
+        return self.timers.next_at()
 
     def forget(self, session: PausableSession) -> None:
-        self._cancel_timers(session.session_id)
+        self.timers.cancel(session.session_id)
         self.records.pop(session.session_id, None)
-        self.mover.disk_hint.discard(session.traj.traj_id)
+        self.mover.forget(session.traj)
         self.high_water.pop(session.traj.traj_id, None)
         if self.session_store is not None:
             self.session_store.delete(session.session_id)
@@ -395,3 +363,21 @@ class OffloadManager:
         self.mover.close()
         if self.session_store is not None:
             self.session_store.close()
+
+    def check_invariants(self, open_sessions: Collection[str]) -> None:
+        """Every record belongs to an open session, every pending timer to a record, every
+        pin and move lock to a move or load in flight."""
+        self.timers.check_invariants()
+        self.mover.check_invariants()
+        stale = set(self.records) - set(open_sessions)
+        _require(not stale, f"pause records of sessions that are not open: {sorted(stale)[:5]}")
+        orphans = self.timers.sessions() - set(self.records)
+        _require(not orphans, f"timers of sessions without a pause record: {sorted(orphans)[:5]}")
+        for sid, record in self.records.items():
+            _require(record.session_id == sid, f"record of {record.session_id} filed as {sid}")
+            _require(isinstance(record.state, PauseState), f"record {sid}: bad state")
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise AssertionError(message)

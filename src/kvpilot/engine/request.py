@@ -19,6 +19,7 @@ import numpy as np
 
 from kvpilot.engine.sampling import SamplingParams
 from kvpilot.errors import InvalidRequest, PromptTooLong
+from kvpilot.memory.tiers import Tier
 
 if TYPE_CHECKING:
     from kvpilot.memory import Trajectory
@@ -80,18 +81,16 @@ class Request:
     aborted: bool = False
     resumed: bool = False  # a paused session's next turn
     pause_hint: PauseHint | None = None  # pause when the turn ends
-    cached_by_tier: dict[str, int] = field(
-        default_factory=lambda: {"device": 0, "host": 0, "disk": 0}
-    )
+    cached_by_tier: dict[Tier, int] = field(default_factory=lambda: dict.fromkeys(Tier, 0))
 
     def set_cached_by_tier(self, host_tokens: int, disk_tokens: int) -> None:
         """Split the prefix hit by the tier it came from (loads of host and disk blocks)."""
         host = min(host_tokens, self.cached_tokens)
         disk = min(disk_tokens, self.cached_tokens - host)
         self.cached_by_tier = {
-            "device": self.cached_tokens - host - disk,
-            "host": host,
-            "disk": disk,
+            Tier.DEVICE: self.cached_tokens - host - disk,
+            Tier.HOST: host,
+            Tier.DISK: disk,
         }
 
     @property
@@ -124,7 +123,7 @@ class RequestOutput:
         int  # tokens prefilled or reused for this call (history + prompt for a session turn)
     )
     cached_tokens: int
-    cached_tokens_by_tier: dict[str, int]
+    cached_tokens_by_tier: dict[Tier, int]
     outputs: tuple[CompletionOutput, ...]
     finished: bool
     arrival_time: float

@@ -1,13 +1,45 @@
-"""Telemetry of pauses and tier moves, and the record a pause leaves on its session."""
+"""Telemetry of pauses and tier moves, the states they go through, and the record a pause
+leaves on its session."""
 
 from __future__ import annotations
 
+import enum
 from collections import Counter
 from dataclasses import dataclass, field
 
+from kvpilot.memory import Tier
 from kvpilot.policy.breakeven import PauseAction, PauseDecision, PauseInputs
 
 DIRECTIONS = ("device_to_host", "host_to_device", "device_to_disk", "disk_to_device")
+
+
+class PauseState(enum.StrEnum):
+    """Where a paused session's KV is now.
+
+    RETAINED (held on the device, maybe under a lease) -> CACHED when the lease runs out;
+    OFFLOADED (moving or moved to host or disk) -> LOADING (a prefetch started) ->
+    PREFETCHED (back on the device before the session returned); DROPPED (freed, recomputed
+    on return); CACHED (unlocked, left to the prefix cache's LRU; also what memory pressure
+    demotes an idle session to).
+    """
+
+    RETAINED = "retained"
+    OFFLOADED = "offloaded"
+    DROPPED = "dropped"
+    CACHED = "cached"
+    LOADING = "loading"
+    PREFETCHED = "prefetched"
+
+
+class MoveKind(enum.StrEnum):
+    HOST = "host"  # device -> host copy
+    DISK = "disk"  # device -> bytes -> disk store
+
+
+class MoveStage(enum.Enum):
+    COPY = "copy"  # one transfer (device <-> host)
+    READ = "read"  # reading bytes (device blocks out, or disk blocks in)
+    WRITE = "write"  # writing them (to the disk store, or into device blocks)
 
 
 @dataclass(slots=True)
@@ -20,7 +52,7 @@ class TierStats:
     idle_gb_s: float = 0.0  # memory-time held on device by idle trajectories
     reload_s: list[float] = field(default_factory=list)
     resume_ttft_s: list[float] = field(default_factory=list)
-    loaded_tokens: dict[str, int] = field(default_factory=lambda: {"host": 0, "disk": 0})
+    loaded_tokens: dict[Tier, int] = field(default_factory=lambda: {Tier.HOST: 0, Tier.DISK: 0})
     disk_misses: int = 0  # blocks expected on disk that were missing or corrupt
 
     def as_dict(self) -> dict[str, object]:
@@ -31,7 +63,7 @@ class TierStats:
             "prefetch_stalls": self.prefetch_stalls,
             "recomputed_tokens": self.recomputed_tokens,
             "idle_gb_s": self.idle_gb_s,
-            "loaded_tokens": dict(self.loaded_tokens),
+            "loaded_tokens": {str(t): n for t, n in self.loaded_tokens.items()},
             "disk_misses": self.disk_misses,
         }
 
@@ -48,7 +80,7 @@ class PauseRecord:
     paused_at: float
     expected_return: float
     lease_until: float
-    state: str  # "retained", "moving", "offloaded", "dropped", "cached", "loading", "prefetched"
+    state: PauseState
     prefetch_at: float | None = None
 
     @property
@@ -64,7 +96,7 @@ class PauseRecord:
         return {
             "action": str(d.action),
             "reason": d.reason,
-            "state": self.state,
+            "state": str(self.state),
             "tool": self.tool,
             "expected_wait_s": self.inputs.expected_wait_s,
             "wait_source": self.wait_source,

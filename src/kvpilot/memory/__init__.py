@@ -9,6 +9,7 @@ from kvpilot.memory.block_pool import BlockPool
 from kvpilot.memory.hashing import block_hash, chain_hashes, root_hash
 from kvpilot.memory.manager import KVConfig, KVManager
 from kvpilot.memory.radix import InsertResult, MatchResult, RadixCache, RadixNode, RadixStats
+from kvpilot.memory.residency import Residency, TierResidency
 from kvpilot.memory.tiers import Tier
 from kvpilot.memory.trajectory import ForkResult, Trajectory
 
@@ -22,7 +23,9 @@ __all__ = [
     "RadixCache",
     "RadixNode",
     "RadixStats",
+    "Residency",
     "Tier",
+    "TierResidency",
     "Trajectory",
     "block_hash",
     "chain_hashes",

@@ -1,4 +1,5 @@
-"""The KV manager: one pool per tier, the radix prefix cache, and the open trajectories."""
+"""The KV manager: one pool per tier, the radix prefix cache, the open trajectories, and the
+residency of copies in flight between tiers."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import numpy as np
 from kvpilot.errors import ConfigError, OutOfBlocks
 from kvpilot.memory.block_pool import BlockPool
 from kvpilot.memory.radix import RadixCache, RadixNode
+from kvpilot.memory.residency import TierResidency
 from kvpilot.memory.tiers import Tier
 from kvpilot.memory.trajectory import ForkResult, Trajectory
 
@@ -52,10 +54,8 @@ class KVManager:
         self.device = self.pools[Tier.DEVICE]
         self.radix = RadixCache(config.block_size, self.pools, clock)
         self.trajectories: dict[int, Trajectory] = {}
-        # References held by copies in flight (tier moves): counted by check_invariants.
-        self.pins: dict[Tier, Counter[int]] = {tier: Counter() for tier in self.pools}
-        # Radix locks held by copies in flight (not by a trajectory): counted likewise.
-        self.move_locks: Counter[RadixNode] = Counter()
+        # Pins and move locks of copies in flight between tiers (counted by check_invariants).
+        self.residency = TierResidency(self.radix, self.pools)
         self._ids = itertools.count()
 
     def open_trajectory(self, salt: str | None = None, tokens: Iterable[int] = ()) -> Trajectory:
@@ -86,32 +86,6 @@ class KVManager:
 
     def deregister(self, traj: Trajectory) -> None:
         self.trajectories.pop(traj.traj_id, None)
-
-    def pin(self, tier: Tier, blocks: Iterable[int], *, take_reference: bool = True) -> None:
-        """Hold ``blocks`` for a copy in flight, so no eviction frees them under it.
-
-        ``take_reference=False`` registers a reference the caller already owns (blocks it
-        just allocated).
-        """
-        ids = list(blocks)
-        if take_reference:
-            self.pools[tier].incref_many(ids)
-        self.pins[tier].update(ids)
-
-    def unpin(self, tier: Tier, blocks: Iterable[int], *, drop_reference: bool = True) -> None:
-        """Let go of pinned blocks; ``drop_reference=False`` hands the reference on."""
-        ids = list(blocks)
-        pins = self.pins[tier]
-        for b in ids:
-            left = pins.get(b, 0) - 1
-            if left < 0:
-                raise ValueError(f"{tier} block {b} is not pinned")
-            if left:
-                pins[b] = left
-            else:
-                del pins[b]
-        if drop_reference:
-            self.pools[tier].decref_many(ids)
 
     def free_blocks(self) -> int:
         """Device blocks admission can count on: free now plus evictable from the cache."""
@@ -159,14 +133,14 @@ class KVManager:
             while node is not None:
                 locks[node] += 1
                 node = node.parent
-        for bottom, n in self.move_locks.items():
+        self.residency.check_invariants()
+        for bottom, n in self.residency.move_locks.items():
             node = bottom
             while node is not None:
                 locks[node] += n
                 node = node.parent
-        for tier, pins in self.pins.items():
-            for b, n in pins.items():
-                expected[tier][b] += n
+        for tier, b, n in self.residency.pinned():
+            expected[tier][b] += n
         for tier, pool in self.pools.items():
             wrong = np.flatnonzero(pool.refcounts() != expected[tier])
             if wrong.size:

@@ -12,9 +12,15 @@ from collections import defaultdict, deque
 
 
 class RateMeter:
-    """An exponential moving average of a rate (bytes/s, tokens/s) from (amount, seconds)."""
+    """An exponential moving average of a rate (bytes/s, tokens/s) from (amount, seconds).
+
+    The one rate meter: link bandwidth, disk bandwidth (the disk store's), prefill rate. The
+    first sample sets the average; until then ``get`` answers its default.
+    """
 
     def __init__(self, initial: float | None = None, alpha: float = 0.3) -> None:
+        if not 0.0 < alpha <= 1.0:
+            raise ValueError(f"alpha must be in (0, 1], got {alpha}")
         self.value = initial
         self.alpha = alpha
         self.samples = 0

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from kvpilot.store.disk import KEY_BYTES, BlockData, DiskBlockStore
 from kvpilot.store.session_store import SessionStore, StoredSession
-from kvpilot.store.stats import BandwidthEma, DiskStoreStats
+from kvpilot.store.stats import DiskStoreStats
 
 __all__ = [
     "KEY_BYTES",
-    "BandwidthEma",
     "BlockData",
     "DiskBlockStore",
     "DiskStoreStats",

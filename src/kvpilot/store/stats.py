@@ -4,32 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvpilot.policy.meters import RateMeter
 
-class BandwidthEma:
-    """Exponential moving average of bytes/s over recent transfers (one sample per batch).
-
-    The first sample sets the average; until then it is 0.0, meaning "not measured yet".
-    """
-
-    __slots__ = ("_alpha", "_value")
-
-    def __init__(self, alpha: float = 0.25) -> None:
-        if not 0.0 < alpha <= 1.0:
-            raise ValueError(f"alpha must be in (0, 1], got {alpha}")
-        self._alpha = alpha
-        self._value = 0.0
-
-    def observe(self, nbytes: int, seconds: float) -> None:
-        if nbytes <= 0 or seconds <= 0.0:
-            return
-        sample = nbytes / seconds
-        self._value = (
-            sample if self._value == 0.0 else self._value + self._alpha * (sample - self._value)
-        )
-
-    @property
-    def bytes_per_s(self) -> float:
-        return self._value
+STORE_BW_ALPHA = 0.25
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,8 +50,8 @@ class StoreCounters:
     missing: int = 0
     evictions: int = 0
     write_errors: int = 0
-    read_bw: BandwidthEma = field(default_factory=BandwidthEma)
-    write_bw: BandwidthEma = field(default_factory=BandwidthEma)
+    read_bw: RateMeter = field(default_factory=lambda: RateMeter(alpha=STORE_BW_ALPHA))
+    write_bw: RateMeter = field(default_factory=lambda: RateMeter(alpha=STORE_BW_ALPHA))
 
     def snapshot(self, *, blocks_stored: int, num_slots: int, queued_writes: int) -> DiskStoreStats:
         return DiskStoreStats(
@@ -91,6 +68,6 @@ class StoreCounters:
             missing=self.missing,
             evictions=self.evictions,
             write_errors=self.write_errors,
-            read_bw_bytes_s=self.read_bw.bytes_per_s,
-            write_bw_bytes_s=self.write_bw.bytes_per_s,
+            read_bw_bytes_s=self.read_bw.get(0.0),
+            write_bw_bytes_s=self.write_bw.get(0.0),
         )
