@@ -374,3 +374,22 @@ def test_speculative_branches_are_gated_under_pressure_and_still_correct() -> No
         solo = SamplingParams(max_tokens=4, temperature=1.0, seed=3 + branch.index)
         assert list(branch.token_ids) == oracle_generate(p, solo, seed=3 + branch.index)
     assert_all_blocks_free(engine)
+
+
+def test_snapshot_is_a_frozen_copy_of_the_engine_figures() -> None:
+    import dataclasses
+
+    engine = make_engine()
+    before = engine.snapshot()
+    engine.generate([prompt(1, 40)], SamplingParams(max_tokens=5))
+    after = engine.snapshot()
+    assert before.generated_tokens == 0 and before.steps == 0
+    assert after.generated_tokens == 5 and after.requests_finished == 1
+    assert after.prompt_tokens == 40 and after.prefill_tokens == 40
+    assert after.tiers["device"].num_blocks == 256 and after.tiers["host"].num_blocks == 0
+    assert after.running == after.waiting == 0 and after.kv_held == 0.0
+    assert after.layout.block_size == B and after.layout.policy == "breakeven"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        after.steps = 0  # type: ignore[misc]
+    engine.generate([prompt(2, 40)], SamplingParams(max_tokens=5))
+    assert after.generated_tokens == 5 and engine.snapshot().generated_tokens == 10

@@ -356,3 +356,33 @@ def test_partial_eviction_of_a_node_with_another_copy_splits_it() -> None:
     both = frozenset({Tier.DEVICE, Tier.HOST})
     assert cache.match(seq(0, 8), tier=None).residency() == [both, frozenset({Tier.HOST})]
     cache.check_invariants()
+
+
+@given(
+    st.lists(st.lists(st.integers(0, 2), min_size=2, max_size=16), min_size=1, max_size=6),
+    st.lists(st.integers(0, 2), max_size=20),
+    st.integers(0, 5),
+)
+def test_peek_counts_what_a_match_finds_without_touching_the_tree(
+    inserted: list[list[int]], query: list[int], host_every: int
+) -> None:
+    radix, device = make_cache(block_size=2, device=200, host=200)
+    for seq in inserted:
+        full = seq[: len(seq) // 2 * 2]
+        radix.insert(full, device.allocate(len(full) // 2))
+    for i, node in enumerate(list(radix.iter_nodes())):
+        if not node.is_root and host_every and i % host_every == 0:
+            radix.add_copy(node, Tier.HOST, radix.pools[Tier.HOST].allocate(node.num_blocks))
+    seen = {id(n): (n.last_access, len(n.children)) for n in radix.iter_nodes()}
+    stats = (radix.stats.queried_tokens, radix.stats.hit_tokens)
+    peek = radix.peek(query, None)
+    assert {id(n): (n.last_access, len(n.children)) for n in radix.iter_nodes()} == seen
+    assert (radix.stats.queried_tokens, radix.stats.hit_tokens) == stats
+    match = radix.match(query, None, record=False, tier=None)
+    expected = dict.fromkeys(Tier, 0)
+    for tiers in match.residency():
+        for tier in tiers:
+            expected[tier] += 1
+    assert peek.blocks_by_tier == expected
+    assert peek.num_tokens == match.num_tokens
+    assert radix.peek(query, "another salt").num_tokens == 0

@@ -273,38 +273,3 @@ def test_a_failing_step_stops_the_engine_and_fails_its_streams() -> None:
             engine.call_soon(lambda e: None)
     finally:
         engine.shutdown()
-
-
-# -- tier residency ------------------------------------------------------------------------
-
-
-@given(
-    st.lists(st.lists(st.integers(0, 2), min_size=2, max_size=16), min_size=1, max_size=6),
-    st.lists(st.integers(0, 2), max_size=20),
-    st.integers(0, 5),
-)
-def test_the_residency_walk_counts_what_a_match_finds_without_touching_the_tree(
-    inserted: list[list[int]], query: list[int], host_every: int
-) -> None:
-    from array import array
-
-    from kvpilot.memory import KVConfig, KVManager, Tier
-    from kvpilot.server.tiers import _cached_prefix_blocks
-
-    kv = KVManager(KVConfig(block_size=2, num_device_blocks=200, num_host_blocks=200))
-    radix = kv.radix
-    for seq in inserted:
-        full = seq[: len(seq) // 2 * 2]
-        radix.insert(full, kv.device.allocate(len(full) // 2))
-    for i, node in enumerate(list(radix.iter_nodes())):
-        if not node.is_root and host_every and i % host_every == 0:
-            radix.add_copy(node, Tier.HOST, kv.pools[Tier.HOST].allocate(node.num_blocks))
-    seen = {id(n): (n.last_access, len(n.children)) for n in radix.iter_nodes()}
-    counts = _cached_prefix_blocks(radix, array("i", query), None)
-    assert {id(n): (n.last_access, len(n.children)) for n in radix.iter_nodes()} == seen
-    match = radix.match(query, None, record=False, tier=None)
-    expected = dict.fromkeys(("device", "host", "disk"), 0)
-    for tiers in match.residency():
-        for tier in tiers:
-            expected[tier.value] += 1
-    assert counts == expected

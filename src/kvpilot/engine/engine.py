@@ -32,6 +32,7 @@ from kvpilot.engine.request import (
 from kvpilot.engine.sampling import SamplingParams
 from kvpilot.engine.scheduler import AdmissionHooks, Scheduler, SchedulerOutput
 from kvpilot.engine.session import Session, SessionTable
+from kvpilot.engine.snapshot import EngineSnapshot, take_snapshot
 from kvpilot.engine.stats import EngineStats
 from kvpilot.errors import InvalidRequest
 from kvpilot.memory import KVConfig, KVManager
@@ -381,15 +382,16 @@ class Engine:
         if close is not None:
             close()
 
-    # -- checks -----------------------------------------------------------------------
+    # -- read models and checks -------------------------------------------------------
+
+    def snapshot(self) -> EngineSnapshot:
+        """Counters, gauges and tiers now (engine thread): what /metrics, /health and the
+        simulator read."""
+        parts = (self.config, self.kv, self.scheduler, self.stats, self.offload)
+        return take_snapshot(self.clock.now(), *parts, open_sessions=len(self.sessions))
 
     def check_invariants(self) -> None:
         self.kv.check_invariants()
         self.sessions.check_invariants()
         self.offload.check_invariants(self.sessions)
-        for seq in self.scheduler.running:
-            assert seq.status is SeqStatus.RUNNING, f"seq {seq.seq_id} in running is {seq.status}"
-            assert seq.traj.num_computed_tokens <= len(seq.traj.tokens)
-        for seq in self.scheduler.waiting:
-            assert seq.status is SeqStatus.WAITING
-        assert len(set(map(id, self.scheduler.running))) == len(self.scheduler.running)
+        self.scheduler.check_invariants()

@@ -254,3 +254,11 @@ class Scheduler:
             seed=seq.seed,
             sample_count=fan_out,
         )
+
+    def check_invariants(self) -> None:
+        for seq in self.running:
+            assert seq.status is SeqStatus.RUNNING, f"seq {seq.seq_id} in running is {seq.status}"
+            assert seq.traj.num_computed_tokens <= len(seq.traj.tokens)
+        for seq in self.waiting:
+            assert seq.status is SeqStatus.WAITING, f"seq {seq.seq_id} waiting is {seq.status}"
+        assert len(set(map(id, self.running))) == len(self.running), "a sequence runs twice"

@@ -4,6 +4,8 @@ leaves on its session."""
 from __future__ import annotations
 
 import enum
+import math
+import statistics
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -54,6 +56,15 @@ class TierStats:
     resume_ttft_s: list[float] = field(default_factory=list)
     loaded_tokens: dict[Tier, int] = field(default_factory=lambda: {Tier.HOST: 0, Tier.DISK: 0})
     disk_misses: int = 0  # blocks expected on disk that were missing or corrupt
+    _reload_p50: tuple[int, float] = (0, math.nan)  # (samples it was computed over, value)
+
+    def reload_p50_s(self) -> float:
+        """Median time to bring a prefix back (recomputed only when a load finished)."""
+        n, value = self._reload_p50
+        if n != len(self.reload_s):
+            value = statistics.median(self.reload_s) if self.reload_s else math.nan
+            self._reload_p50 = (len(self.reload_s), value)
+        return value
 
     def as_dict(self) -> dict[str, object]:
         return {

@@ -8,7 +8,14 @@ from __future__ import annotations
 from kvpilot.memory.block_pool import BlockPool
 from kvpilot.memory.hashing import block_hash, chain_hashes, root_hash
 from kvpilot.memory.manager import KVConfig, KVManager
-from kvpilot.memory.radix import InsertResult, MatchResult, RadixCache, RadixNode, RadixStats
+from kvpilot.memory.radix import (
+    InsertResult,
+    MatchResult,
+    PeekResult,
+    RadixCache,
+    RadixNode,
+    RadixStats,
+)
 from kvpilot.memory.residency import Residency, TierResidency
 from kvpilot.memory.tiers import Tier
 from kvpilot.memory.trajectory import ForkResult, Trajectory
@@ -20,6 +27,7 @@ __all__ = [
     "KVConfig",
     "KVManager",
     "MatchResult",
+    "PeekResult",
     "RadixCache",
     "RadixNode",
     "RadixStats",

@@ -20,7 +20,13 @@ import numpy as np
 from kvpilot.errors import InvalidRequest
 from kvpilot.memory.block_pool import BlockPool
 from kvpilot.memory.hashing import HASH_BYTES, chain_bytes, int32_bytes, root_hash
-from kvpilot.memory.radix_node import InsertResult, MatchResult, RadixNode, RadixStats
+from kvpilot.memory.radix_node import (
+    InsertResult,
+    MatchResult,
+    PeekResult,
+    RadixNode,
+    RadixStats,
+)
 from kvpilot.memory.tiers import Tier
 
 _TIER_BIT = {Tier.DEVICE: 1, Tier.HOST: 2, Tier.DISK: 4}
@@ -124,6 +130,38 @@ class RadixCache:
             self.stats.queried_tokens += len(arr)
             self.stats.hit_tokens += num_tokens
         return MatchResult(node, num_tokens, path)
+
+    def peek(self, tokens: Sequence[int], salt: str | None = None) -> PeekResult:
+        """Look without touching: the longest cached prefix of ``tokens`` in any tier, and per
+        tier how many of its blocks have a copy there. Unlike `match` it refreshes no LRU
+        time, splits no node and counts toward no statistics, so looking (e.g. to report a
+        session's residency) never changes what gets evicted."""
+        counts = dict.fromkeys(Tier, 0)
+        node = self._roots.get(salt)
+        if node is None:
+            return PeekResult(0, counts)
+        arr = as_token_array(tokens)
+        bs = self.block_size
+        query = arr.tobytes()
+        end = len(arr) // bs * bs * 4
+        step = 4 * bs
+        offset = 0
+        while offset < end:
+            child = node.children.get(query[offset : offset + step])
+            if child is None:
+                break
+            edge = child.tokens
+            if offset + 4 * len(edge) <= end and query.startswith(edge, offset, end):
+                k = len(edge) // bs
+            else:
+                k = self._common_blocks(edge, query, offset, end)
+            for tier in child.blocks:
+                counts[tier] += k
+            offset += k * step
+            if k * bs < len(edge):
+                break
+            node = child
+        return PeekResult(offset // 4, counts)
 
     def _common_blocks(self, edge: array, query: bytes, offset: int, end: int) -> int:
         n = min(len(edge), (end - offset) // 4)

@@ -141,6 +141,15 @@ class MatchResult:
 
 
 @dataclass(frozen=True, slots=True)
+class PeekResult:
+    """A read-only look: the longest cached block-aligned prefix in any tier (``num_tokens``)
+    and, per tier, how many of its blocks have a copy there."""
+
+    num_tokens: int
+    blocks_by_tier: dict[Tier, int]
+
+
+@dataclass(frozen=True, slots=True)
 class InsertResult:
     node: RadixNode
     blocks: list[int]

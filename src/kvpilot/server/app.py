@@ -42,7 +42,6 @@ def create_app(
     """An app serving ``engine``; its engine thread runs while the app is up (lifespan)."""
     limits = limits or ServerLimits()
     metrics = ServerMetrics()
-    tiers = describe_tiers(engine)  # before the engine thread starts: nobody else touches it
     async_engine = AsyncEngine(
         engine, on_iteration=metrics.observe, on_abort=metrics.requests_aborted.inc
     )
@@ -93,7 +92,7 @@ def create_app(
                 tier: {"blocks": t.num_blocks, "used": t.used_blocks, "cached": t.cached_blocks}
                 for tier, t in snap.tiers.items()
             },
-            "tiers": tiers,
+            "tiers": describe_tiers(snap),
             "pauses": {
                 "decisions": snap.pause_decisions,
                 "bytes_moved": snap.bytes_moved,

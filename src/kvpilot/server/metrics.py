@@ -1,24 +1,23 @@
 """Prometheus metrics: one registry per app, fed from the engine thread.
 
 After every engine iteration the engine thread calls `ServerMetrics.observe`: it moves the
-engine's new latency samples into histograms and publishes an immutable snapshot of the
-engine's counters and gauges. A scrape reads only that snapshot, so it never races the
-engine.
+engine's new latency samples into histograms and publishes the engine's own read model
+(`Engine.snapshot()`, a frozen `EngineSnapshot`). A scrape and /health read only that
+snapshot, so they never race the engine.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from kvpilot.engine import Engine
+from kvpilot.engine.snapshot import EngineSnapshot
 from kvpilot.engine.tier_stats import DIRECTIONS
-from kvpilot.memory import Tier
 from kvpilot.policy.breakeven import PauseAction
 
 # Every pause action, and "demoted": idle KV the engine moved out under memory pressure.
@@ -27,89 +26,6 @@ LATENCY_BUCKETS_S = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
     1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
 )  # fmt: skip
-
-
-@dataclass(frozen=True, slots=True)
-class TierUsage:
-    num_blocks: int
-    used_blocks: int
-    cached_blocks: int
-
-
-@dataclass(frozen=True, slots=True)
-class EngineSnapshot:
-    running: int = 0
-    waiting: int = 0
-    steps: int = 0
-    prompt_tokens: int = 0
-    cached_prompt_tokens: int = 0
-    generated_tokens: int = 0
-    prefill_tokens: int = 0
-    requests_finished: int = 0
-    preemptions: int = 0
-    forks: int = 0
-    prefix_queried_tokens: int = 0
-    prefix_hit_tokens: int = 0
-    evicted_blocks: int = 0
-    tiers: dict[str, TierUsage] = field(default_factory=dict)
-    open_sessions: int = 0
-    # Pauses and tier moves (the engine's OffloadManager.stats).
-    bytes_moved: dict[str, int] = field(default_factory=dict)
-    pause_decisions: dict[str, int] = field(default_factory=dict)
-    prefetch_hits: int = 0
-    prefetch_stalls: int = 0
-    recomputed_tokens: int = 0
-    idle_gb_s: float = 0.0
-    loaded_tokens: dict[str, int] = field(default_factory=dict)
-    disk_misses: int = 0
-    link_bw_bytes_s: float = 0.0
-    disk_bw_bytes_s: float = 0.0
-
-
-def snapshot(engine: Engine) -> EngineSnapshot:
-    """Engine thread only: a consistent copy of the counters a scrape reports."""
-    kv = engine.kv
-    stats = engine.stats
-    radix = kv.radix
-    offload = engine.offload
-    tier_stats = offload.stats
-    tiers = {}
-    for tier in (Tier.DEVICE, Tier.HOST):
-        pool = kv.pools.get(tier)
-        if pool is None:
-            tiers[tier.value] = TierUsage(0, 0, 0)
-        else:
-            tiers[tier.value] = TierUsage(pool.num_blocks, pool.num_used, radix.cached_blocks(tier))
-    disk = offload.disk
-    stored = len(disk) if disk is not None else 0
-    tiers[Tier.DISK.value] = TierUsage(disk.num_slots if disk is not None else 0, stored, stored)
-    return EngineSnapshot(
-        running=len(engine.scheduler.running),
-        waiting=len(engine.scheduler.waiting),
-        steps=stats.steps,
-        prompt_tokens=stats.prompt_tokens,
-        cached_prompt_tokens=stats.cached_tokens,
-        generated_tokens=stats.generated_tokens,
-        prefill_tokens=stats.prefill_tokens,
-        requests_finished=stats.requests_finished,
-        preemptions=engine.scheduler.num_preemptions,
-        forks=stats.forks,
-        prefix_queried_tokens=radix.stats.queried_tokens,
-        prefix_hit_tokens=radix.stats.hit_tokens,
-        evicted_blocks=radix.stats.evicted_blocks,
-        tiers=tiers,
-        open_sessions=len(engine.sessions),
-        bytes_moved=dict(tier_stats.bytes_moved),
-        pause_decisions=dict(tier_stats.decisions),
-        prefetch_hits=tier_stats.prefetch_hits,
-        prefetch_stalls=tier_stats.prefetch_stalls,
-        recomputed_tokens=tier_stats.recomputed_tokens,
-        idle_gb_s=tier_stats.idle_gb_s,
-        loaded_tokens=dict(tier_stats.loaded_tokens),
-        disk_misses=tier_stats.disk_misses,
-        link_bw_bytes_s=offload.mover.link_bw(),
-        disk_bw_bytes_s=offload.mover.disk_bw(),
-    )
 
 
 class _EngineCollector(Collector):
@@ -291,7 +207,7 @@ class ServerMetrics:
         for samples, histogram in ((ttft, self.ttft), (itl, self.itl), (e2e, self.e2e)):
             for value in samples:
                 histogram.observe(value)
-        snap = snapshot(engine)
+        snap = engine.snapshot()
         with self._lock:
             self._latest = snap
 

@@ -4,11 +4,11 @@ state, so it runs on the engine thread (inside an `AsyncEngine` command or hook)
 from __future__ import annotations
 
 import math
-from array import array
 from typing import Any
 
 from kvpilot.engine import Engine, Session
-from kvpilot.memory import RadixCache, Tier
+from kvpilot.engine.snapshot import EngineSnapshot, TierUsage
+from kvpilot.memory import Tier
 from kvpilot.memory.hashing import chain_hashes
 
 TIERS = tuple(t.value for t in Tier)
@@ -37,7 +37,7 @@ def session_residency(engine: Engine, session: Session) -> dict[str, Any]:
     traj = session.traj
     tokens = traj.token_array()
     bs = engine.kv.block_size
-    prefix = _cached_prefix_blocks(engine.kv.radix, tokens, traj.salt)
+    prefix = engine.kv.radix.peek(tokens, traj.salt).blocks_by_tier
     disk = engine.offload.disk
     on_disk = 0
     if disk is not None and len(tokens) >= bs:
@@ -45,69 +45,36 @@ def session_residency(engine: Engine, session: Session) -> dict[str, Any]:
     return {
         "held_on_device": len(traj.block_table),
         "full_blocks": len(tokens) // bs,
-        "device": prefix[Tier.DEVICE.value] + traj.num_private_blocks,
-        "host": prefix[Tier.HOST.value],
+        "device": prefix[Tier.DEVICE] + traj.num_private_blocks,
+        "host": prefix[Tier.HOST],
         "disk": on_disk,
     }
 
 
-def _cached_prefix_blocks(radix: RadixCache, tokens: array, salt: str | None) -> dict[str, int]:
-    """Blocks of the longest cached prefix of ``tokens``, counted per tier holding a copy.
-
-    A read-only walk of the tree (``RadixCache.match`` would refresh the path's LRU time
-    and may split a node; looking must not change what gets evicted).
-    """
-    counts = dict.fromkeys(TIERS, 0)
-    node = radix.roots().get(salt)
-    if node is None:
-        return counts
-    step = 4 * radix.block_size  # children are keyed by their first block's int32 bytes
-    query = tokens.tobytes()
-    end = len(tokens) // radix.block_size * step
-    offset = 0
-    while offset < end:
-        child = node.children.get(query[offset : offset + step])
-        if child is None:
-            break
-        edge = child.tokens.tobytes()
-        k = 0
-        while k * step < len(edge) and offset + (k + 1) * step <= end:
-            at = offset + k * step
-            if edge[k * step : (k + 1) * step] != query[at : at + step]:
-                break
-            k += 1
-        for tier in child.blocks:
-            counts[Tier(tier).value] += k
-        if k * step < len(edge):
-            break
-        node = child
-        offset += k * step
-    return counts
-
-
-def describe_tiers(engine: Engine) -> dict[str, Any]:
+def describe_tiers(snap: EngineSnapshot) -> dict[str, Any]:
     """The tiers and pause policy as the engine applied them (for /health)."""
-    mover = engine.offload.mover
-    pause = engine.config.pause
-    block_bytes = mover.block_bytes
-    host = mover.host_pool
-    disk = mover.disk
+    layout = snap.layout
+    host = snap.tiers.get(Tier.HOST.value, TierUsage())
+    disk = snap.tiers.get(Tier.DISK.value, TierUsage())
     return {
-        "policy": pause.policy,
-        "block_bytes": block_bytes,
-        "device": {"blocks": engine.kv.device.num_blocks, "block_size": engine.kv.block_size},
+        "policy": layout.policy,
+        "block_bytes": layout.block_bytes,
+        "device": {
+            "blocks": snap.tiers.get(Tier.DEVICE.value, TierUsage()).num_blocks,
+            "block_size": layout.block_size,
+        },
         "host": {
-            "enabled": host is not None and mover.transport is not None,
-            "blocks": host.num_blocks if host is not None else 0,
-            "bytes": (host.num_blocks if host is not None else 0) * block_bytes,
-            "link_bw_bytes_s": mover.link_bw(),
+            "enabled": layout.host_enabled,
+            "blocks": host.num_blocks,
+            "bytes": host.num_blocks * layout.block_bytes,
+            "link_bw_bytes_s": snap.link_bw_bytes_s,
         },
         "disk": {
-            "enabled": disk is not None,
-            "dir": engine.config.runner.tiers.disk_dir if disk is not None else None,
-            "blocks": disk.num_slots if disk is not None else 0,
-            "bw_bytes_s": mover.disk_bw(),
+            "enabled": layout.disk_enabled,
+            "dir": layout.disk_dir,
+            "blocks": disk.num_blocks,
+            "bw_bytes_s": snap.disk_bw_bytes_s,
         },
-        "prefetch": pause.prefetch,
-        "default_tool_wait_s": pause.default_tool_wait_s,
+        "prefetch": layout.prefetch,
+        "default_tool_wait_s": layout.default_tool_wait_s,
     }

@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvpilot.engine.engine import Engine
+from kvpilot.engine.snapshot import EngineSnapshot
 from kvpilot.memory.tiers import Tier
 from kvpilot.sim.runner import SimulatedRunner
 from kvpilot.sim.simulator import Simulator
@@ -72,34 +73,34 @@ class SimResult:
     ) -> SimResult:
         engine: Engine = sim.engine
         runner = engine.executor
-        stats = engine.stats
+        snap = engine.snapshot()
         if isinstance(runner, SimulatedRunner):
             recomputed, busy = runner.recomputed_tokens, runner.busy_s
         else:
-            recomputed, busy = 0, stats.step_time_s
+            recomputed, busy = 0, snap.step_time_s
         return cls(
             label=label,
             model=model,
             node=node,
             tp=tp,
             replicas=replicas,
-            kv_blocks=engine.kv.device.num_blocks,
-            block_size=engine.kv.block_size,
+            kv_blocks=snap.tiers[Tier.DEVICE.value].num_blocks,
+            block_size=snap.layout.block_size,
             cost_model=cost_model,
             duration_s=min(sim.now, sim.duration_s),
             wall_s=sim.wall_s,
-            steps=stats.steps,
+            steps=snap.steps,
             busy_s=busy,
-            generated_tokens=stats.generated_tokens,
-            prefill_tokens=stats.prefill_tokens,
-            decode_tokens=stats.decode_tokens,
-            prompt_tokens=stats.prompt_tokens,
-            cached_tokens=stats.cached_tokens,
-            radix_hit_rate=engine.kv.radix.stats.hit_rate,
-            preemptions=engine.scheduler.num_preemptions,
+            generated_tokens=snap.generated_tokens,
+            prefill_tokens=snap.prefill_tokens,
+            decode_tokens=snap.decode_tokens,
+            prompt_tokens=snap.prompt_tokens,
+            cached_tokens=snap.cached_prompt_tokens,
+            radix_hit_rate=snap.prefix_hit_rate,
+            preemptions=snap.preemptions,
             recomputed_tokens=recomputed,
-            bytes_moved=engine_bytes_moved(engine),
-            fork_copied_blocks=stats.fork_copied_blocks,
+            bytes_moved=snap.total_bytes_moved,
+            fork_copied_blocks=snap.fork_copied_blocks,
             turns_completed=len(sim.turns),
             rejected=sim.rejected,
             stalled=sim.stalled,
@@ -109,7 +110,7 @@ class SimResult:
             itl_s=np.asarray(sim.itl_s, dtype=float),
             samples=sim.samples.as_arrays(),
             note=note,
-            extra=tier_figures(engine),
+            extra=tier_figures(snap),
         )
 
     # -- derived figures -----------------------------------------------------------------
@@ -194,24 +195,17 @@ class SimResult:
         }
 
 
-def engine_bytes_moved(engine: Engine) -> int:
-    """Bytes the engine moved between tiers, all directions."""
-    return int(sum(engine.offload.stats.bytes_moved.values()))
-
-
-def tier_figures(engine: Engine) -> dict[str, Any]:
+def tier_figures(snap: EngineSnapshot) -> dict[str, Any]:
     """Pause decisions and tier telemetry of the engine's offload manager."""
-    stats = engine.offload.stats
-    reload = np.asarray(stats.reload_s, dtype=float)
     return {
-        "pause_decisions": dict(stats.decisions),
-        "bytes_moved_by_direction": dict(stats.bytes_moved),
-        "engine_recomputed_tokens": stats.recomputed_tokens,
-        "prefetch_hits": stats.prefetch_hits,
-        "prefetch_stalls": stats.prefetch_stalls,
-        "idle_gb_s": stats.idle_gb_s,
-        "reload_p50_s": float(np.percentile(reload, 50)) if len(reload) else math.nan,
-        "host_blocks": engine.kv.pools[Tier.HOST].num_blocks if Tier.HOST in engine.kv.pools else 0,
+        "pause_decisions": dict(snap.pause_decisions),
+        "bytes_moved_by_direction": dict(snap.bytes_moved),
+        "engine_recomputed_tokens": snap.recomputed_tokens,
+        "prefetch_hits": snap.prefetch_hits,
+        "prefetch_stalls": snap.prefetch_stalls,
+        "idle_gb_s": snap.idle_gb_s,
+        "reload_p50_s": snap.reload_p50_s,
+        "host_blocks": snap.tiers[Tier.HOST.value].num_blocks,
     }
 
 

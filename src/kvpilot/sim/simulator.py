@@ -258,13 +258,13 @@ class Simulator:
     def _sample(self, now: float) -> None:
         engine = self.engine
         s = self.samples
-        kv = engine.kv
+        snap = engine.snapshot()
         s.time_s.append(now)
-        s.kv_usage.append(kv.device.usage)
-        s.kv_held.append(engine.scheduler.held_usage())
-        s.running.append(len(engine.scheduler.running))
-        s.waiting.append(len(engine.scheduler.waiting))
-        s.resident.append(sum(1 for t in kv.trajectories.values() if t.block_table))
+        s.kv_usage.append(snap.kv_usage)
+        s.kv_held.append(snap.kv_held)
+        s.running.append(snap.running)
+        s.waiting.append(snap.waiting)
+        s.resident.append(snap.resident_trajectories)
         # The engine keeps every ITL in a list; move them here (4 bytes each) to bound memory.
         new_itl = engine.stats.itl_s
         self.itl_s.extend(new_itl)

@@ -1,0 +1,177 @@
+"""The engine as readers see it: one frozen snapshot of its counters, gauges and tiers.
+
+`Engine.snapshot()` builds it on the engine's own thread; `/metrics`, `/health`, the
+simulator's sampling and its reports all read it instead of reaching into the engine's
+parts. Figures are copied, so a snapshot never changes after it is taken.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from kvpilot.memory import Tier
+
+if TYPE_CHECKING:
+    from kvpilot.engine.config import EngineConfig
+    from kvpilot.engine.offload import OffloadManager
+    from kvpilot.engine.scheduler import Scheduler
+    from kvpilot.engine.stats import EngineStats
+    from kvpilot.memory import KVManager
+
+
+@dataclass(frozen=True, slots=True)
+class TierUsage:
+    """One tier's blocks: the pool (or disk slots), those in use, those the radix caches."""
+
+    num_blocks: int = 0
+    used_blocks: int = 0
+    cached_blocks: int = 0
+
+    @property
+    def usage(self) -> float:
+        return self.used_blocks / self.num_blocks if self.num_blocks else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class TierLayout:
+    """The tiers and the pause policy as the engine applied them."""
+
+    policy: str = ""
+    block_size: int = 0
+    block_bytes: int = 0
+    host_enabled: bool = False
+    disk_enabled: bool = False
+    disk_dir: str | None = None
+    prefetch: bool = True
+    default_tool_wait_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSnapshot:
+    """Counters (since start) and gauges (now) of one engine, at ``time_s`` on its clock."""
+
+    time_s: float = 0.0
+    # requests and sessions
+    running: int = 0
+    waiting: int = 0
+    open_sessions: int = 0
+    resident_trajectories: int = 0  # open trajectories holding device KV
+    steps: int = 0
+    step_time_s: float = 0.0
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    generated_tokens: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    requests_finished: int = 0
+    preemptions: int = 0
+    forks: int = 0
+    fork_copied_blocks: int = 0
+    # the memory core
+    kv_usage: float = 0.0  # device U_KV: blocks allocated over the pool
+    kv_held: float = 0.0  # not counting cached blocks that could be evicted now
+    prefix_queried_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    evicted_blocks: int = 0
+    tiers: Mapping[str, TierUsage] = field(default_factory=dict)
+    layout: TierLayout = field(default_factory=TierLayout)
+    # pauses and tier moves
+    pause_decisions: Mapping[str, int] = field(default_factory=dict)
+    bytes_moved: Mapping[str, int] = field(default_factory=dict)
+    loaded_tokens: Mapping[str, int] = field(default_factory=dict)
+    prefetch_hits: int = 0
+    prefetch_stalls: int = 0
+    recomputed_tokens: int = 0
+    idle_gb_s: float = 0.0
+    disk_misses: int = 0
+    reload_p50_s: float = float("nan")
+    link_bw_bytes_s: float = 0.0
+    disk_bw_bytes_s: float = 0.0
+
+    @property
+    def hit_rate(self) -> float:
+        """Prompt tokens of finished requests served from the cache (equation 2)."""
+        return self.cached_prompt_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """Of every lookup in the radix cache."""
+        q = self.prefix_queried_tokens
+        return self.prefix_hit_tokens / q if q else 0.0
+
+    @property
+    def total_bytes_moved(self) -> int:
+        return int(sum(self.bytes_moved.values()))
+
+
+def take_snapshot(
+    now: float,
+    config: EngineConfig,
+    kv: KVManager,
+    scheduler: Scheduler,
+    stats: EngineStats,
+    offload: OffloadManager,
+    *,
+    open_sessions: int,
+) -> EngineSnapshot:
+    """A snapshot of these engine parts (on the engine's thread)."""
+    radix = kv.radix
+    tiers: dict[str, TierUsage] = {}
+    for tier in (Tier.DEVICE, Tier.HOST):
+        pool = kv.pools.get(tier)
+        if pool is not None:
+            tiers[tier.value] = TierUsage(pool.num_blocks, pool.num_used, radix.cached_blocks(tier))
+        else:
+            tiers[tier.value] = TierUsage()
+    mover = offload.mover
+    disk = mover.disk
+    stored = len(disk) if disk is not None else 0
+    tiers[Tier.DISK.value] = TierUsage(disk.num_slots if disk is not None else 0, stored, stored)
+    ts = offload.stats
+    return EngineSnapshot(
+        time_s=now,
+        running=len(scheduler.running),
+        waiting=len(scheduler.waiting),
+        open_sessions=open_sessions,
+        resident_trajectories=sum(1 for t in kv.trajectories.values() if t.block_table),
+        steps=stats.steps,
+        step_time_s=stats.step_time_s,
+        prompt_tokens=stats.prompt_tokens,
+        cached_prompt_tokens=stats.cached_tokens,
+        generated_tokens=stats.generated_tokens,
+        prefill_tokens=stats.prefill_tokens,
+        decode_tokens=stats.decode_tokens,
+        requests_finished=stats.requests_finished,
+        preemptions=scheduler.num_preemptions,
+        forks=stats.forks,
+        fork_copied_blocks=stats.fork_copied_blocks,
+        kv_usage=kv.device.usage,
+        kv_held=scheduler.held_usage(),
+        prefix_queried_tokens=radix.stats.queried_tokens,
+        prefix_hit_tokens=radix.stats.hit_tokens,
+        evicted_blocks=radix.stats.evicted_blocks,
+        tiers=tiers,
+        layout=TierLayout(
+            policy=config.pause.policy,
+            block_size=kv.block_size,
+            block_bytes=mover.block_bytes,
+            host_enabled=mover.has_host,
+            disk_enabled=disk is not None,
+            disk_dir=config.runner.tiers.disk_dir if disk is not None else None,
+            prefetch=config.pause.prefetch,
+            default_tool_wait_s=config.pause.default_tool_wait_s,
+        ),
+        pause_decisions=dict(ts.decisions),
+        bytes_moved=dict(ts.bytes_moved),
+        loaded_tokens={str(t): n for t, n in ts.loaded_tokens.items()},
+        prefetch_hits=ts.prefetch_hits,
+        prefetch_stalls=ts.prefetch_stalls,
+        recomputed_tokens=ts.recomputed_tokens,
+        idle_gb_s=ts.idle_gb_s,
+        disk_misses=ts.disk_misses,
+        reload_p50_s=ts.reload_p50_s(),
+        link_bw_bytes_s=mover.link_bw(),
+        disk_bw_bytes_s=mover.disk_bw(),
+    )
