@@ -47,3 +47,10 @@ class ModelLoadError(KvpilotError):
 
 class UnsupportedArchitecture(ModelLoadError):
     """The checkpoint's architecture is not one kvpilot implements."""
+
+
+def require(condition: bool, message: str) -> None:
+    """An integrity check of a ``check_invariants()``: AssertionError with ``message`` unless
+    ``condition`` holds (kept under ``python -O``, unlike ``assert``)."""
+    if not condition:
+        raise AssertionError(message)

@@ -2,44 +2,23 @@
 
 from __future__ import annotations
 
-import dataclasses
-import enum
-import math
-from typing import Any
-
 from rich import box
 from rich.console import Console
 from rich.table import Table
 
 from kvpilot.sizing.frag_lab import FragReport, ScenarioResult
 from kvpilot.sizing.plan import Plan
+from kvpilot.units import format_in, format_percent, to_jsonable
 
-
-def to_jsonable(value: Any) -> Any:
-    """Dataclasses, enums and tuples as JSON values; infinities and NaN become null."""
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: to_jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
-    if isinstance(value, enum.Enum):
-        return value.value
-    if isinstance(value, dict):
-        return {str(k): to_jsonable(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [to_jsonable(v) for v in value]
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    return value
+__all__ = ["render_frag", "render_plan", "to_jsonable"]
 
 
 def _gb(nbytes: float) -> str:
-    return f"{nbytes / 1e9:,.1f}"
+    return format_in(nbytes, "GB")
 
 
 def _ms(seconds: float) -> str:
-    return "∞" if math.isinf(seconds) else f"{seconds * 1e3:,.0f}"
-
-
-def _pct(x: float, digits: int = 1) -> str:
-    return f"{x * 100:.{digits}f}"
+    return format_in(seconds, "ms", 0)
 
 
 def render_plan(plan: Plan, console: Console) -> None:
@@ -67,7 +46,7 @@ def render_plan(plan: Plan, console: Console) -> None:
 
     capacity = Table(
         title=f"Trajectories per node (output {plan.output_tokens:,}, headroom "
-        f"{_pct(plan.headroom, 0)}%, shared {plan.shared_tokens:,} tokens)",
+        f"{format_percent(plan.headroom, 0)}%, shared {plan.shared_tokens:,} tokens)",
         title_justify="left",
         box=box.SIMPLE_HEAD,
         caption="-: the shared prefix is longer than the context"
@@ -99,7 +78,7 @@ def render_plan(plan: Plan, console: Console) -> None:
             f"{row.block_bytes / 1024:,.0f}",
             f"{row.num_blocks:,}",
             f"{row.token_capacity:,}",
-            _pct(row.tail_waste_fraction, 2),
+            format_percent(row.tail_waste_fraction, 2),
         )
     console.print(blocks)
 
@@ -143,9 +122,9 @@ def render_frag(
         table.add_row(
             r.allocator,
             f"{r.admitted:.1f}",
-            _pct(r.eta_alloc),
-            _pct(r.phi_ext),
-            _pct(r.eta_effective),
+            format_percent(r.eta_alloc),
+            format_percent(r.phi_ext),
+            format_percent(r.eta_effective),
         )
     console.print(table)
 
@@ -164,8 +143,8 @@ def render_frag(
         napkin.add_row(
             f"{sc.name}: {sc.allocator}",
             f"{snap.admitted}",
-            _pct(snap.eta_alloc),
-            _pct(snap.phi_ext),
+            format_percent(snap.eta_alloc),
+            format_percent(snap.phi_ext),
             f"{snap.free_bytes / gib:.2f}",
             f"{max(sc.holes_bytes, default=0) / gib:.2f}",
             "fits" if sc.request_fits else "refused",

@@ -21,7 +21,7 @@ from kvpilot.engine.executor import TierTransport
 from kvpilot.engine.pause_timers import PauseTimers
 from kvpilot.engine.tier_mover import TierMover
 from kvpilot.engine.tier_stats import PauseRecord, PauseState, TierStats
-from kvpilot.errors import InvalidRequest
+from kvpilot.errors import InvalidRequest, require
 from kvpilot.memory import KVManager, RadixNode, Tier, Trajectory
 from kvpilot.memory.residency import Residency
 from kvpilot.policy.breakeven import PauseAction, PauseDecision, PauseInputs
@@ -370,14 +370,9 @@ class OffloadManager:
         self.timers.check_invariants()
         self.mover.check_invariants()
         stale = set(self.records) - set(open_sessions)
-        _require(not stale, f"pause records of sessions that are not open: {sorted(stale)[:5]}")
+        require(not stale, f"pause records of sessions that are not open: {sorted(stale)[:5]}")
         orphans = self.timers.sessions() - set(self.records)
-        _require(not orphans, f"timers of sessions without a pause record: {sorted(orphans)[:5]}")
+        require(not orphans, f"timers of sessions without a pause record: {sorted(orphans)[:5]}")
         for sid, record in self.records.items():
-            _require(record.session_id == sid, f"record of {record.session_id} filed as {sid}")
-            _require(isinstance(record.state, PauseState), f"record {sid}: bad state")
-
-
-def _require(condition: bool, message: str) -> None:
-    if not condition:
-        raise AssertionError(message)
+            require(record.session_id == sid, f"record of {record.session_id} filed as {sid}")
+            require(isinstance(record.state, PauseState), f"record {sid}: bad state")

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Protocol
 from kvpilot.engine.request import Request, RequestOutput
 from kvpilot.engine.sampling import SamplingParams
 from kvpilot.engine.stats import EngineStats
-from kvpilot.errors import InvalidRequest, SessionBusy, SessionNotFound
+from kvpilot.errors import InvalidRequest, SessionBusy, SessionNotFound, require
 from kvpilot.memory import KVManager, Trajectory
 
 if TYPE_CHECKING:
@@ -291,16 +291,11 @@ class SessionTable(Mapping[str, Session]):
 
     def check_invariants(self) -> None:
         for sid, session in self._sessions.items():
-            _require(session.session_id == sid, f"session {session.session_id} filed as {sid}")
-            _require(not session.closed, f"closed session {sid} is still in the table")
+            require(session.session_id == sid, f"session {session.session_id} filed as {sid}")
+            require(not session.closed, f"closed session {sid} is still in the table")
             traj = session.traj
-            _require(not traj.closed, f"session {sid} holds a closed trajectory")
-            _require(
+            require(not traj.closed, f"session {sid} holds a closed trajectory")
+            require(
                 self.kv.trajectories.get(traj.traj_id) is traj,
                 f"session {sid}'s trajectory is not registered with the KV manager",
             )
-
-
-def _require(condition: bool, message: str) -> None:
-    if not condition:
-        raise AssertionError(message)

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 from kvpilot.engine.executor import TierTransport, Transfer
 from kvpilot.engine.tier_loader import Load, TierLoader
 from kvpilot.engine.tier_stats import MoveKind, MoveStage, TierStats
+from kvpilot.errors import require
 from kvpilot.memory import KVManager, RadixNode, Tier, Trajectory
 from kvpilot.memory.hashing import HASH_BYTES
 from kvpilot.memory.residency import Residency
@@ -284,7 +285,7 @@ class TierMover:
             for key in job.pinned_blocks():
                 held[key] = held.get(key, 0) + 1
         pinned = {(tier, b): n for tier, b, n in self.residency.pinned()}
-        _require(
+        require(
             pinned == held,
             f"pins {sorted(set(pinned.items()) ^ set(held.items()))[:5]} do not match the "
             "moves and loads in flight",
@@ -293,9 +294,4 @@ class TierMover:
         for move in self.moves:
             for node in move.nodes:
                 locks[node] = locks.get(node, 0) + 1
-        _require(dict(self.residency.move_locks) == locks, "move locks do not match the moves")
-
-
-def _require(condition: bool, message: str) -> None:
-    if not condition:
-        raise AssertionError(message)
+        require(dict(self.residency.move_locks) == locks, "move locks do not match the moves")

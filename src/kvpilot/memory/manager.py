@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvpilot.errors import ConfigError, OutOfBlocks
+from kvpilot.errors import ConfigError, OutOfBlocks, require
 from kvpilot.memory.block_pool import BlockPool
 from kvpilot.memory.radix import RadixCache, RadixNode
 from kvpilot.memory.residency import TierResidency
@@ -119,13 +119,13 @@ class KVManager:
             indexed_device.update(node.blocks.get(Tier.DEVICE, ()))
         locks: Counter[RadixNode] = Counter()
         for traj_id, traj in self.trajectories.items():
-            _require(traj.traj_id == traj_id, f"trajectory {traj.traj_id} registered as {traj_id}")
-            _require(not traj.closed, f"closed trajectory {traj_id} is still registered")
+            require(traj.traj_id == traj_id, f"trajectory {traj.traj_id} registered as {traj_id}")
+            require(not traj.closed, f"closed trajectory {traj_id} is still registered")
             traj.check_invariants()
             expected[Tier.DEVICE][traj.block_table] += 1
             shared = traj.locked_tokens // self.block_size
             private = set(traj.block_table[shared:])
-            _require(
+            require(
                 not private & indexed_device,
                 f"trajectory {traj_id} holds a private block that the radix indexes",
             )
@@ -150,13 +150,8 @@ class KVManager:
                     f"and pins hold {int(expected[tier][b])} references"
                 )
         for node in self.radix.iter_nodes():
-            _require(
+            require(
                 node.lock_count == locks[node],
                 f"{node!r}: lock count {node.lock_count}, trajectories and moves lock it "
                 f"{locks[node]} times",
             )
-
-
-def _require(condition: bool, message: str) -> None:
-    if not condition:
-        raise AssertionError(message)

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from kvpilot.errors import InvalidRequest
+from kvpilot.errors import InvalidRequest, require
 from kvpilot.memory.block_pool import BlockPool
 from kvpilot.memory.hashing import HASH_BYTES, chain_bytes, int32_bytes, root_hash
 from kvpilot.memory.radix_node import (
@@ -520,9 +520,9 @@ class RadixCache:
         seen: dict[Tier, set[int]] = {tier: set() for tier in Tier}
         num_nodes = 0
         for salt, root in self._roots.items():
-            _require(root.is_root and root.parent is None, f"root of salt {salt!r} is malformed")
-            _require(not root.blocks and not root.hashes, "a root must hold no blocks")
-            _require(root.last_hash() == root_hash(salt), f"root seed of salt {salt!r} is wrong")
+            require(root.is_root and root.parent is None, f"root of salt {salt!r} is malformed")
+            require(not root.blocks and not root.hashes, "a root must hold no blocks")
+            require(root.last_hash() == root_hash(salt), f"root seed of salt {salt!r} is wrong")
             stack = [root]
             while stack:
                 node = stack.pop()
@@ -530,18 +530,18 @@ class RadixCache:
                 for key, child in node.children.items():
                     stack.append(child)
                     child_locks += child.lock_count
-                    _require(child._alive, "a removed node is still linked")
-                    _require(child.parent is node, "child.parent does not point at its parent")
-                    _require(key == child.tokens[:bs].tobytes(), "child keyed by wrong tokens")
-                _require(node.lock_count >= child_locks, f"lock count too low at {node!r}")
+                    require(child._alive, "a removed node is still linked")
+                    require(child.parent is node, "child.parent does not point at its parent")
+                    require(key == child.tokens[:bs].tobytes(), "child keyed by wrong tokens")
+                require(node.lock_count >= child_locks, f"lock count too low at {node!r}")
                 if node.is_root:
                     continue
                 num_nodes += 1
                 self._check_node(node, seen, cached, evictable)
-        _require(num_nodes == self._num_nodes, "node count drifted")
+        require(num_nodes == self._num_nodes, "node count drifted")
         for tier in Tier:
-            _require(cached[tier] == self._cached[tier], f"cached {tier} block count drifted")
-            _require(evictable[tier] == self._evictable[tier], f"evictable {tier} count drifted")
+            require(cached[tier] == self._cached[tier], f"cached {tier} block count drifted")
+            require(evictable[tier] == self._evictable[tier], f"evictable {tier} count drifted")
 
     def _check_node(
         self,
@@ -554,30 +554,25 @@ class RadixCache:
         parent = node.parent
         assert parent is not None
         nb = len(node.tokens) // bs
-        _require(nb > 0 and len(node.tokens) == nb * bs, f"edge not whole blocks at {node!r}")
-        _require(node.depth_tokens == parent.depth_tokens + len(node.tokens), "depth drifted")
-        _require(bool(node.blocks), f"node without any copy at {node!r}")
-        _require(node.lock_count >= 0, f"negative lock count at {node!r}")
+        require(nb > 0 and len(node.tokens) == nb * bs, f"edge not whole blocks at {node!r}")
+        require(node.depth_tokens == parent.depth_tokens + len(node.tokens), "depth drifted")
+        require(bool(node.blocks), f"node without any copy at {node!r}")
+        require(node.lock_count >= 0, f"negative lock count at {node!r}")
         if node.lock_count:
-            _require(Tier.DEVICE in node.blocks, f"locked node lacks a device copy: {node!r}")
+            require(Tier.DEVICE in node.blocks, f"locked node lacks a device copy: {node!r}")
         expected = chain_bytes(parent.last_hash(), int32_bytes(node.tokens), bs)
-        _require(node.hashes == expected, f"chained hashes are wrong at {node!r}")
+        require(node.hashes == expected, f"chained hashes are wrong at {node!r}")
         for tier, ids in node.blocks.items():
-            _require(len(ids) == nb, f"{tier} copy has {len(ids)} blocks, edge has {nb}")
+            require(len(ids) == nb, f"{tier} copy has {len(ids)} blocks, edge has {nb}")
             pool = self.pools.get(tier)
-            _require(pool is not None, f"copy in unconfigured tier {tier}")
+            require(pool is not None, f"copy in unconfigured tier {tier}")
             assert pool is not None
             for b in ids:
-                _require(b not in seen[tier], f"{tier} block {b} indexed twice")
+                require(b not in seen[tier], f"{tier} block {b} indexed twice")
                 seen[tier].add(b)
-                _require(pool.refcount(b) >= 1, f"{tier} block {b} indexed but free")
+                require(pool.refcount(b) >= 1, f"{tier} block {b} indexed but free")
             cached[tier] += nb
             if node.lock_count == 0:
                 evictable[tier] += nb
             if self._is_candidate(node, tier):
-                _require(node._queued & _TIER_BIT[tier] != 0, f"candidate not queued: {node!r}")
-
-
-def _require(condition: bool, message: str) -> None:
-    if not condition:
-        raise AssertionError(message)
+                require(node._queued & _TIER_BIT[tier] != 0, f"candidate not queued: {node!r}")

@@ -19,6 +19,7 @@ import enum
 from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping
 
+from kvpilot.errors import require
 from kvpilot.memory.block_pool import BlockPool
 from kvpilot.memory.radix import RadixCache
 from kvpilot.memory.radix_node import RadixNode
@@ -167,19 +168,14 @@ class TierResidency:
 
     def check_invariants(self) -> None:
         for tier, block, n in self.pinned():
-            _require(n > 0, f"{tier} block {block} pinned {n} times")
+            require(n > 0, f"{tier} block {block} pinned {n} times")
             pool = self.pools[tier]
-            _require(
+            require(
                 pool.refcount(block) >= n,
                 f"{tier} block {block} is pinned {n} times but has {pool.refcount(block)} refs",
             )
         for node, n in self.move_locks.items():
-            _require(n > 0, f"{node!r} move-locked {n} times")
-            _require(node.alive, f"a move locks an evicted node: {node!r}")
-            _require(node.lock_count >= n, f"{node!r}: {n} move locks > its lock count")
-            _require(Tier.DEVICE in node.blocks, f"a move locks a node off the device: {node!r}")
-
-
-def _require(condition: bool, message: str) -> None:
-    if not condition:
-        raise AssertionError(message)
+            require(n > 0, f"{node!r} move-locked {n} times")
+            require(node.alive, f"a move locks an evicted node: {node!r}")
+            require(node.lock_count >= n, f"{node!r}: {n} move locks > its lock count")
+            require(Tier.DEVICE in node.blocks, f"a move locks a node off the device: {node!r}")

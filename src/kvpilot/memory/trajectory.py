@@ -7,7 +7,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from kvpilot.errors import InvalidRequest
+from kvpilot.errors import InvalidRequest, require
 from kvpilot.memory.block_pool import BlockPool
 from kvpilot.memory.radix import RadixCache, RadixNode, as_token_array
 from kvpilot.memory.tiers import Tier
@@ -305,34 +305,29 @@ class Trajectory:
 
     def check_invariants(self) -> None:
         if self.closed:
-            _require(not self.block_table, f"closed trajectory {self.traj_id} holds blocks")
-            _require(self.num_computed_tokens == 0, f"closed trajectory {self.traj_id} has KV")
+            require(not self.block_table, f"closed trajectory {self.traj_id} holds blocks")
+            require(self.num_computed_tokens == 0, f"closed trajectory {self.traj_id} has KV")
             return
         bs = self._bs
         tid = self.traj_id
         mirror = self._buf.tolist()
-        _require(mirror == self.tokens[: len(mirror)], f"trajectory {tid}: token mirror diverged")
+        require(mirror == self.tokens[: len(mirror)], f"trajectory {tid}: token mirror diverged")
         node = self.locked_node
-        _require(node.alive, f"trajectory {tid} locks an evicted node")
+        require(node.alive, f"trajectory {tid} locks an evicted node")
         top = node
         while top.parent is not None:
             top = top.parent
-        _require(top is self._radix.root(self.salt), f"trajectory {tid} locks another salt's path")
+        require(top is self._radix.root(self.salt), f"trajectory {tid} locks another salt's path")
         computed = self.num_computed_tokens
-        _require(computed <= len(self.tokens), f"trajectory {tid}: computed beyond its tokens")
-        _require(computed <= len(self.block_table) * bs, f"trajectory {tid}: KV not covered")
-        _require(node.depth_tokens <= computed, f"trajectory {tid}: locked path beyond computed")
+        require(computed <= len(self.tokens), f"trajectory {tid}: computed beyond its tokens")
+        require(computed <= len(self.block_table) * bs, f"trajectory {tid}: KV not covered")
+        require(node.depth_tokens <= computed, f"trajectory {tid}: locked path beyond computed")
         shared = node.depth_tokens // bs
-        _require(
+        require(
             self.block_table[:shared] == node.path_blocks(Tier.DEVICE),
             f"trajectory {tid}: shared prefix differs from its locked path's blocks",
         )
-        _require(
+        require(
             len(set(self.block_table)) == len(self.block_table),
             f"trajectory {tid}: a block appears twice in its table",
         )
-
-
-def _require(condition: bool, message: str) -> None:
-    if not condition:
-        raise AssertionError(message)

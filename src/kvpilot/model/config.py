@@ -67,10 +67,6 @@ class ModelConfig:
     bos_token_id: int | None
     dtype: str
 
-    @property
-    def num_query_groups(self) -> int:
-        return self.num_heads // self.num_kv_heads
-
     def layer_window(self, layer: int) -> int | None:
         return self.sliding_window if self.sliding_layers[layer] else None
 

@@ -32,6 +32,9 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from kvpilot.errors import ConfigError
+from kvpilot.units import format_bytes as _fmt_bytes
+from kvpilot.units import format_duration as _fmt_s
+from kvpilot.units import format_figure as _fmt_gbs
 
 
 class PauseAction(StrEnum):
@@ -141,28 +144,6 @@ def _transfer_s(nbytes: float, bw: float) -> float:
     if nbytes == 0:
         return 0.0
     return nbytes / bw if bw > 0 else math.inf
-
-
-def _fmt_s(seconds: float) -> str:
-    if math.isinf(seconds):
-        return "forever"
-    if seconds < 1.0:
-        return f"{seconds * 1e3:.0f} ms"
-    if seconds < 10:
-        return f"{seconds:.2f} s"
-    return f"{seconds:.1f} s" if seconds < 100 else f"{seconds:.0f} s"
-
-
-def _fmt_bytes(n: float) -> str:
-    """Decimal units, so that spec figures (10.7 GB) read as in the spec."""
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n:.0f} B"
-
-
-def _fmt_gbs(x: float) -> str:
-    return f"{x:,.0f}" if x >= 10 else f"{x:.3g}"
 
 
 def _break_even(round_trip: float, mu_device: float, mu_tier: float, stall: float) -> float:

@@ -3,32 +3,21 @@ state, so it runs on the engine thread (inside an `AsyncEngine` command or hook)
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from kvpilot.engine import Engine, Session
 from kvpilot.engine.snapshot import EngineSnapshot, TierUsage
 from kvpilot.memory import Tier
 from kvpilot.memory.hashing import chain_hashes
+from kvpilot.units import to_jsonable
 
 TIERS = tuple(t.value for t in Tier)
-
-
-def jsonable(value: Any) -> Any:
-    """JSON-safe: infinite or NaN figures (a break-even wait that never comes) become null."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {str(k): jsonable(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [jsonable(v) for v in value]
-    return value
 
 
 def pause_info(engine: Engine, session_id: str) -> dict[str, Any] | None:
     """The session's standing pause (action, reason, the figures, state), if it is paused."""
     record = engine.offload.record_for(session_id)
-    return None if record is None else jsonable(record.as_dict())
+    return None if record is None else to_jsonable(record.as_dict())
 
 
 def session_residency(engine: Engine, session: Session) -> dict[str, Any]:

@@ -240,12 +240,6 @@ class RooflineCostModel:
         """Blocks over each device's host link (every device moves its own share at once)."""
         return num_blocks * self.block_bytes / self.node.accelerator.host_link_bw_bytes_s
 
-    def disk_transfer_time_s(self, num_blocks: int) -> float:
-        """Blocks between host and the node's NVMe tier (the whole group's bytes, one drive)."""
-        nbytes = num_blocks * self.block_bytes * self.tp_degree
-        bw = self.node.nvme_bw_bytes_s
-        return nbytes / bw if bw > 0 else math.inf
-
     def prefill_tokens_per_s(self) -> float:
         return self.tp_degree * self._flops_per_s() / (2.0 * self.geometry.flops_params)
 

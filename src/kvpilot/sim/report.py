@@ -16,6 +16,8 @@ from kvpilot.engine.snapshot import EngineSnapshot
 from kvpilot.memory.tiers import Tier
 from kvpilot.sim.runner import SimulatedRunner
 from kvpilot.sim.simulator import Simulator
+from kvpilot.units import format_count as _si
+from kvpilot.units import format_duration as _ms
 
 _SPARK = "▁▂▃▄▅▆▇█"
 
@@ -221,19 +223,6 @@ def sparkline(values: Sequence[float] | np.ndarray, width: int = 48, top: float 
         k = round(min(max(v / top, 0.0), 1.0) * (len(_SPARK) - 1)) if top > 0 else 0
         out.append(_SPARK[k])
     return "".join(out)
-
-
-def _ms(seconds: float) -> str:
-    if math.isnan(seconds):
-        return "-"
-    return f"{seconds * 1e3:,.1f} ms" if seconds < 10 else f"{seconds:,.1f} s"
-
-
-def _si(n: float) -> str:
-    for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f}{unit}"
-    return f"{n:.0f}"
 
 
 def print_result(console: Console, r: SimResult) -> None:
