@@ -10,38 +10,25 @@ deeper node's identity, so a node a trajectory locks always ends at the same dep
 
 from __future__ import annotations
 
-import heapq
 import itertools
 from array import array
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from kvpilot.errors import InvalidRequest, require
 from kvpilot.memory.block_pool import BlockPool
 from kvpilot.memory.hashing import HASH_BYTES, chain_bytes, int32_bytes, root_hash
+from kvpilot.memory.radix_check import check_radix
+from kvpilot.memory.radix_evict import EvictionQueues, RadixEviction
 from kvpilot.memory.radix_node import (
     InsertResult,
     MatchResult,
     PeekResult,
     RadixNode,
     RadixStats,
+    as_token_array,
 )
 from kvpilot.memory.tiers import Tier
-
-_TIER_BIT = {Tier.DEVICE: 1, Tier.HOST: 2, Tier.DISK: 4}
-
-
-def as_token_array(tokens: Sequence[int]) -> array:
-    """Tokens as ``array('i')`` (no copy if they already are one)."""
-    if isinstance(tokens, array) and tokens.typecode == "i":
-        return tokens
-    try:
-        if isinstance(tokens, np.ndarray):
-            return array("i", np.ascontiguousarray(tokens, dtype=np.int32).tobytes())
-        return array("i", tokens)
-    except (OverflowError, TypeError) as exc:
-        raise InvalidRequest(f"token ids must be integers in int32 range: {exc}") from exc
 
 
 def _counter_clock() -> Callable[[], float]:
@@ -49,13 +36,11 @@ def _counter_clock() -> Callable[[], float]:
     return lambda: float(next(counter))
 
 
-class RadixCache:
+class RadixCache(RadixEviction):
     """The tree holds one reference on every block it indexes, in every tier.
 
-    Eviction candidates live in one lazy min-heap per tier keyed by ``last_access``: an entry
-    may be stale (older than the node's true access time, or no longer a candidate) and is
-    fixed when popped. ``node._queued`` has a bit per tier whose heap holds an entry for it;
-    every node that is a candidate has its bit set.
+    Eviction candidates wait in `EvictionQueues` (radix_evict.py), one lazy LRU heap per tier;
+    `check_invariants` is `check_radix` (radix_check.py).
     """
 
     def __init__(
@@ -75,8 +60,7 @@ class RadixCache:
         self._roots: dict[str | None, RadixNode] = {}
         self._cached = {tier: 0 for tier in Tier}
         self._evictable = {tier: 0 for tier in Tier}
-        self._heaps: dict[Tier, list[tuple[float, int, RadixNode]]] = {tier: [] for tier in Tier}
-        self._seq = itertools.count()
+        self._queues = EvictionQueues()
         self._num_nodes = 0
 
     # ---- queries -------------------------------------------------------------------------
@@ -388,191 +372,10 @@ class RadixCache:
         self._release(node, tier)
         self._after_release(node, tier)
 
-    # ---- eviction ------------------------------------------------------------------------
-
-    def evict(self, num_blocks: int, tier: Tier = Tier.DEVICE) -> int:
-        """Leaf-first LRU; returns ``tier`` blocks freed (fewer when nothing more is evictable).
-
-        A candidate larger than what is still needed is split and only its tail blocks go, so
-        freeing one block never drops a whole 2k-token turn.
-        """
-        freed = 0
-        while freed < num_blocks:
-            node = self._pop_candidate(tier)
-            if node is None:
-                break
-            want = num_blocks - freed
-            if node.num_blocks > want:
-                if not node.children and len(node.blocks) == 1:
-                    freed += self._trim_tail(node, tier, want)
-                    continue
-                self._split(node, node.num_blocks - want)
-            freed += self._release(node, tier)
-            freed += self._after_release(node, tier)
-        self.stats.evicted_blocks += freed
-        return freed
-
-    def _trim_tail(self, node: RadixNode, tier: Tier, n: int) -> int:
-        """Evict the last ``n`` blocks of a childless single-copy leaf in place (no edge copy)."""
-        bs = self.block_size
-        ids = node.blocks[tier]
-        tail = ids[-n:]
-        del ids[-n:]
-        del node.tokens[-n * bs :]
-        if node._hashes is not None:
-            node._hashes = node._hashes[: -n * HASH_BYTES]
-        node.depth_tokens -= n * bs
-        self._cached[tier] -= n
-        self._evictable[tier] -= n
-        self._push(node, tier)
-        return self.pools[tier].decref_many(tail)
-
-    def _release(self, node: RadixNode, tier: Tier) -> int:
-        """Drop ``node``'s copy in ``tier``; returns blocks that went back to the free list."""
-        ids = node.blocks.pop(tier)
-        self._cached[tier] -= len(ids)
-        if node.lock_count == 0:
-            self._evictable[tier] -= len(ids)
-        return self.pools[tier].decref_many(ids)
-
-    def _after_release(self, node: RadixNode, tier: Tier) -> int:
-        """Remove ``node`` if copyless, requeue its parent; returns ``tier`` blocks freed."""
-        parent = node.parent
-        assert parent is not None
-        freed = 0
-        if not node.blocks:
-            del parent.children[node.tokens[: self.block_size].tobytes()]
-            freed = self._discard_subtree(node, tier)
-            for t in parent.blocks:
-                self._push(parent, t)
-        else:
-            self._push(parent, tier)
-        return freed
-
-    def _discard_subtree(self, top: RadixNode, tier: Tier) -> int:
-        freed = 0
-        stack = [top]
-        while stack:
-            node = stack.pop()
-            stack.extend(node.children.values())
-            for t in list(node.blocks):
-                n = self._release(node, t)
-                if t is tier:
-                    freed += n
-            node.children = {}
-            node.parent = None
-            node._alive = False
-            self._num_nodes -= 1
-        return freed
-
-    def _is_candidate(self, node: RadixNode, tier: Tier) -> bool:
-        return (
-            node._alive
-            and node.lock_count == 0
-            and tier in node.blocks
-            and not node.is_root
-            and not any(tier in c.blocks for c in node.children.values())
-        )
-
-    def _push(self, node: RadixNode, tier: Tier) -> None:
-        bit = _TIER_BIT[tier]
-        if node._queued & bit or not self._is_candidate(node, tier):
-            return
-        node._queued |= bit
-        heap = self._heaps[tier]
-        heapq.heappush(heap, (node.last_access, next(self._seq), node))
-        if len(heap) > 2 * self._num_nodes + 1024:
-            self._compact(tier)
-
-    def _compact(self, tier: Tier) -> None:
-        bit = _TIER_BIT[tier]
-        kept = []
-        for entry in self._heaps[tier]:
-            if self._is_candidate(entry[2], tier):
-                kept.append(entry)
-            else:
-                entry[2]._queued &= ~bit
-        heapq.heapify(kept)
-        self._heaps[tier] = kept
-
-    def _pop_candidate(self, tier: Tier) -> RadixNode | None:
-        heap = self._heaps[tier]
-        bit = _TIER_BIT[tier]
-        while heap:
-            key, _, node = heap[0]
-            if not self._is_candidate(node, tier):
-                heapq.heappop(heap)
-                node._queued &= ~bit
-            elif node.last_access != key:
-                heapq.heapreplace(heap, (node.last_access, next(self._seq), node))
-            else:
-                heapq.heappop(heap)
-                node._queued &= ~bit
-                return node
-        return None
-
     # ---- integrity -----------------------------------------------------------------------
 
     def check_invariants(self) -> None:
-        bs = self.block_size
-        cached = dict.fromkeys(Tier, 0)
-        evictable = dict.fromkeys(Tier, 0)
-        seen: dict[Tier, set[int]] = {tier: set() for tier in Tier}
-        num_nodes = 0
-        for salt, root in self._roots.items():
-            require(root.is_root and root.parent is None, f"root of salt {salt!r} is malformed")
-            require(not root.blocks and not root.hashes, "a root must hold no blocks")
-            require(root.last_hash() == root_hash(salt), f"root seed of salt {salt!r} is wrong")
-            stack = [root]
-            while stack:
-                node = stack.pop()
-                child_locks = 0
-                for key, child in node.children.items():
-                    stack.append(child)
-                    child_locks += child.lock_count
-                    require(child._alive, "a removed node is still linked")
-                    require(child.parent is node, "child.parent does not point at its parent")
-                    require(key == child.tokens[:bs].tobytes(), "child keyed by wrong tokens")
-                require(node.lock_count >= child_locks, f"lock count too low at {node!r}")
-                if node.is_root:
-                    continue
-                num_nodes += 1
-                self._check_node(node, seen, cached, evictable)
-        require(num_nodes == self._num_nodes, "node count drifted")
-        for tier in Tier:
-            require(cached[tier] == self._cached[tier], f"cached {tier} block count drifted")
-            require(evictable[tier] == self._evictable[tier], f"evictable {tier} count drifted")
+        check_radix(self.roots(), self.block_size, self.pools, self.num_nodes, self._counts())
 
-    def _check_node(
-        self,
-        node: RadixNode,
-        seen: dict[Tier, set[int]],
-        cached: dict[Tier, int],
-        evictable: dict[Tier, int],
-    ) -> None:
-        bs = self.block_size
-        parent = node.parent
-        assert parent is not None
-        nb = len(node.tokens) // bs
-        require(nb > 0 and len(node.tokens) == nb * bs, f"edge not whole blocks at {node!r}")
-        require(node.depth_tokens == parent.depth_tokens + len(node.tokens), "depth drifted")
-        require(bool(node.blocks), f"node without any copy at {node!r}")
-        require(node.lock_count >= 0, f"negative lock count at {node!r}")
-        if node.lock_count:
-            require(Tier.DEVICE in node.blocks, f"locked node lacks a device copy: {node!r}")
-        expected = chain_bytes(parent.last_hash(), int32_bytes(node.tokens), bs)
-        require(node.hashes == expected, f"chained hashes are wrong at {node!r}")
-        for tier, ids in node.blocks.items():
-            require(len(ids) == nb, f"{tier} copy has {len(ids)} blocks, edge has {nb}")
-            pool = self.pools.get(tier)
-            require(pool is not None, f"copy in unconfigured tier {tier}")
-            assert pool is not None
-            for b in ids:
-                require(b not in seen[tier], f"{tier} block {b} indexed twice")
-                seen[tier].add(b)
-                require(pool.refcount(b) >= 1, f"{tier} block {b} indexed but free")
-            cached[tier] += nb
-            if node.lock_count == 0:
-                evictable[tier] += nb
-            if self._is_candidate(node, tier):
-                require(node._queued & _TIER_BIT[tier] != 0, f"candidate not queued: {node!r}")
+    def _counts(self) -> dict[str, dict[Tier, int]]:
+        return {"cached": dict(self._cached), "evictable": dict(self._evictable)}

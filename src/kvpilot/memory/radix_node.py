@@ -1,12 +1,29 @@
-"""Nodes of the radix prefix cache and the results its matches and inserts return."""
+"""Nodes of the radix prefix cache, the results its matches and inserts return, and the
+int32 token arrays its edges hold."""
 
 from __future__ import annotations
 
 from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
+from kvpilot.errors import InvalidRequest
 from kvpilot.memory.hashing import HASH_BYTES, chain_bytes, int32_bytes
 from kvpilot.memory.tiers import Tier
+
+
+def as_token_array(tokens: Sequence[int]) -> array:
+    """Tokens as ``array('i')`` (no copy if they already are one)."""
+    if isinstance(tokens, array) and tokens.typecode == "i":
+        return tokens
+    try:
+        if isinstance(tokens, np.ndarray):
+            return array("i", np.ascontiguousarray(tokens, dtype=np.int32).tobytes())
+        return array("i", tokens)
+    except (OverflowError, TypeError) as exc:
+        raise InvalidRequest(f"token ids must be integers in int32 range: {exc}") from exc
 
 
 class RadixNode:

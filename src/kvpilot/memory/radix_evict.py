@@ -1,0 +1,176 @@
+"""Eviction from the radix cache: leaf-first LRU per tier, and releasing a node's copies.
+
+The order: one lazy min-heap per tier, oldest access first.
+A node is a *candidate* in a tier when it holds a copy there, no trajectory or move locks
+it, and no child holds a copy in that tier (leaf-first). An entry may be stale (older than
+the node's true access time, or no longer a candidate) and is fixed when popped.
+``node._queued`` has a bit per tier whose heap holds an entry for it; every candidate has
+its bit set, so pushing twice is a no-op.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from abc import ABC, abstractmethod
+
+from kvpilot.memory.block_pool import BlockPool
+from kvpilot.memory.hashing import HASH_BYTES
+from kvpilot.memory.radix_node import RadixNode, RadixStats
+from kvpilot.memory.tiers import Tier
+
+TIER_BIT = {Tier.DEVICE: 1, Tier.HOST: 2, Tier.DISK: 4}
+
+
+def is_candidate(node: RadixNode, tier: Tier) -> bool:
+    return (
+        node._alive
+        and node.lock_count == 0
+        and tier in node.blocks
+        and not node.is_root
+        and not any(tier in c.blocks for c in node.children.values())
+    )
+
+
+class EvictionQueues:
+    def __init__(self) -> None:
+        self._heaps: dict[Tier, list[tuple[float, int, RadixNode]]] = {tier: [] for tier in Tier}
+        self._seq = itertools.count()
+
+    def push(self, node: RadixNode, tier: Tier, live_nodes: int) -> None:
+        """Queue ``node`` in ``tier`` if it is a candidate there and not queued yet."""
+        bit = TIER_BIT[tier]
+        if node._queued & bit or not is_candidate(node, tier):
+            return
+        node._queued |= bit
+        heap = self._heaps[tier]
+        heapq.heappush(heap, (node.last_access, next(self._seq), node))
+        if len(heap) > 2 * live_nodes + 1024:
+            self._compact(tier)
+
+    def _compact(self, tier: Tier) -> None:
+        bit = TIER_BIT[tier]
+        kept = []
+        for entry in self._heaps[tier]:
+            if is_candidate(entry[2], tier):
+                kept.append(entry)
+            else:
+                entry[2]._queued &= ~bit
+        heapq.heapify(kept)
+        self._heaps[tier] = kept
+
+    def pop(self, tier: Tier) -> RadixNode | None:
+        """The least recently used candidate in ``tier`` (None when there is none)."""
+        heap = self._heaps[tier]
+        bit = TIER_BIT[tier]
+        while heap:
+            key, _, node = heap[0]
+            if not is_candidate(node, tier):
+                heapq.heappop(heap)
+                node._queued &= ~bit
+            elif node.last_access != key:
+                heapq.heapreplace(heap, (node.last_access, next(self._seq), node))
+            else:
+                heapq.heappop(heap)
+                node._queued &= ~bit
+                return node
+        return None
+
+    @staticmethod
+    def queued(node: RadixNode, tier: Tier) -> bool:
+        return bool(node._queued & TIER_BIT[tier])
+
+
+class RadixEviction(ABC):
+    """`RadixCache`'s eviction and copy release (a base class; the cache's fields it uses are
+    declared here for the type checker)."""
+
+    block_size: int
+    pools: dict[Tier, BlockPool]
+    stats: RadixStats
+    _cached: dict[Tier, int]
+    _evictable: dict[Tier, int]
+    _num_nodes: int
+    _queues: EvictionQueues
+
+    @abstractmethod
+    def _split(self, node: RadixNode, k: int) -> RadixNode:
+        """Cut ``node``'s edge after ``k`` blocks; the new upper node is returned."""
+
+    def evict(self, num_blocks: int, tier: Tier = Tier.DEVICE) -> int:
+        """Leaf-first LRU; returns ``tier`` blocks freed (fewer when nothing more is evictable).
+
+        A candidate larger than what is still needed is split and only its tail blocks go, so
+        freeing one block never drops a whole 2k-token turn.
+        """
+        freed = 0
+        while freed < num_blocks:
+            node = self._queues.pop(tier)
+            if node is None:
+                break
+            want = num_blocks - freed
+            if node.num_blocks > want:
+                if not node.children and len(node.blocks) == 1:
+                    freed += self._trim_tail(node, tier, want)
+                    continue
+                self._split(node, node.num_blocks - want)
+            freed += self._release(node, tier)
+            freed += self._after_release(node, tier)
+        self.stats.evicted_blocks += freed
+        return freed
+
+    def _trim_tail(self, node: RadixNode, tier: Tier, n: int) -> int:
+        """Evict the last ``n`` blocks of a childless single-copy leaf in place (no edge copy)."""
+        bs = self.block_size
+        ids = node.blocks[tier]
+        tail = ids[-n:]
+        del ids[-n:]
+        del node.tokens[-n * bs :]
+        if node._hashes is not None:
+            node._hashes = node._hashes[: -n * HASH_BYTES]
+        node.depth_tokens -= n * bs
+        self._cached[tier] -= n
+        self._evictable[tier] -= n
+        self._push(node, tier)
+        return self.pools[tier].decref_many(tail)
+
+    def _release(self, node: RadixNode, tier: Tier) -> int:
+        """Drop ``node``'s copy in ``tier``; returns blocks that went back to the free list."""
+        ids = node.blocks.pop(tier)
+        self._cached[tier] -= len(ids)
+        if node.lock_count == 0:
+            self._evictable[tier] -= len(ids)
+        return self.pools[tier].decref_many(ids)
+
+    def _after_release(self, node: RadixNode, tier: Tier) -> int:
+        """Remove ``node`` if copyless, requeue its parent; returns ``tier`` blocks freed."""
+        parent = node.parent
+        assert parent is not None
+        freed = 0
+        if not node.blocks:
+            del parent.children[node.tokens[: self.block_size].tobytes()]
+            freed = self._discard_subtree(node, tier)
+            for t in parent.blocks:
+                self._push(parent, t)
+        else:
+            self._push(parent, tier)
+        return freed
+
+    def _discard_subtree(self, top: RadixNode, tier: Tier) -> int:
+        freed = 0
+        stack = [top]
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children.values())
+            for t in list(node.blocks):
+                n = self._release(node, t)
+                if t is tier:
+                    freed += n
+            node.children = {}
+            node.parent = None
+            node._alive = False
+            self._num_nodes -= 1
+        return freed
+
+    def _push(self, node: RadixNode, tier: Tier) -> None:
+        self._queues.push(node, tier, self._num_nodes)
