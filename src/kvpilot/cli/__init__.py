@@ -1,4 +1,9 @@
-"""The `kvpilot` command line. Each subcommand lives in its own module and registers here."""
+"""The `kvpilot` command line. Each subcommand lives in its own module and registers here.
+
+Importing this package must stay cheap (`kvpilot --help` answers in well under a second):
+the command modules import only typer and light kvpilot modules at the top, and everything
+heavy (torch, FastAPI, matplotlib, numpy, rich tables) inside the command that needs it.
+"""
 
 from __future__ import annotations
 
@@ -6,11 +11,12 @@ import json
 from typing import Annotated
 
 import typer
-from rich.console import Console
 
+from kvpilot.cli.help import Command, Group
 from kvpilot.errors import KvpilotError
 
 app = typer.Typer(
+    cls=Group,
     add_completion=False,
     no_args_is_help=True,
     help="kvpilot: an agent-aware LLM serving engine built around its KV-cache manager.",
@@ -22,7 +28,7 @@ def _fail(exc: KvpilotError) -> typer.Exit:
     return typer.Exit(code=2)
 
 
-@app.command()
+@app.command(cls=Command)
 def plan(
     model: Annotated[str, typer.Option(help="Preset name or path to a config.json.")] = (
         "llama-3-70b"
@@ -53,6 +59,8 @@ def plan(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Size KV memory: bytes per token, pool, concurrency, blocks, and the pause decision."""
+    from rich.console import Console
+
     from kvpilot.cli.format import render_plan, to_jsonable
     from kvpilot.sizing.geometry import resolve_geometry
     from kvpilot.sizing.hardware import parse_node
@@ -94,7 +102,7 @@ def plan(
         render_plan(result, Console())
 
 
-@app.command()
+@app.command(cls=Command)
 def frag(
     pool: Annotated[str, typer.Option(help="KV pool size.")] = "10GiB",
     token_bytes: Annotated[str, typer.Option(help="KV bytes per token.")] = "160KiB",
@@ -112,6 +120,8 @@ def frag(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Compare static, buddy and paged KV allocators: efficiency, fragmentation, concurrency."""
+    from rich.console import Console
+
     from kvpilot.cli.format import render_frag, to_jsonable
     from kvpilot.errors import ConfigError
     from kvpilot.sizing.frag_lab import Workload, compare_allocators, spec_scenarios
@@ -141,17 +151,26 @@ def frag(
     source = "lengths " + lengths if lengths else f"lognormal mean {mean:,.0f} sigma {sigma:g}"
     title = (
         f"{pool_bytes / (1 << 30):g} GiB pool, {tok / 1024:g} KiB/token, S_max {max_tokens:,}, "
-        f"{source}, {rounds} rounds (means)"
+        f"{source}, means over {rounds} rounds"
     )
     render_frag(reports, title, scenarios, Console())
 
 
-@app.command()
+@app.command(cls=Command)
 def demo(
     model: Annotated[str, typer.Option(help="Checkpoint folder, or the built-in tiny.")] = "tiny",
 ) -> None:
-    """The main job on built-in defaults: plan, frag, then the engine on `tiny`."""
-    from kvpilot.demo.run import run_engine_demo
+    """The main job on built-in defaults: plan, frag, then `kvpilot serve` with agent sessions."""
+    from kvpilot.cli.checks import check_checkpoint
+
+    try:
+        check_checkpoint(model)
+        from kvpilot.demo.run import DemoConfig, run_engine_demo
+
+        config = DemoConfig()
+    except KvpilotError as exc:
+        raise _fail(exc) from exc
+    from rich.console import Console
 
     console = Console()
     console.rule("[bold]kvpilot plan: Llama-3-70B on 8xH100, 8k/32k/128k, a 45 s pause")
@@ -159,7 +178,7 @@ def demo(
     console.rule("[bold]kvpilot frag: static vs buddy vs paged allocation")
     frag()
     try:
-        run_engine_demo(console, model)
+        run_engine_demo(console, model, config)
     except KvpilotError as exc:
         raise _fail(exc) from exc
 
@@ -167,12 +186,14 @@ def demo(
 def _register_optional_commands() -> None:
     from kvpilot.cli.serve import serve
     from kvpilot.cli.sim import calibrate, sim, trace_analyze
+    from kvpilot.cli.top import top
 
-    app.command("serve")(serve)
-    app.command()(sim)
-    app.command()(calibrate)
-    trace_app = typer.Typer(no_args_is_help=True, help="Diagnose agent traces.")
-    trace_app.command("analyze")(trace_analyze)
+    app.command("serve", cls=Command)(serve)
+    app.command(cls=Command)(top)
+    app.command(cls=Command)(sim)
+    app.command(cls=Command)(calibrate)
+    trace_app = typer.Typer(cls=Group, no_args_is_help=True, help="Diagnose agent traces.")
+    trace_app.command("analyze", cls=Command)(trace_analyze)
     app.add_typer(trace_app, name="trace")
 
 

@@ -7,15 +7,24 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
-from fastapi import FastAPI
 
-from kvpilot.errors import ConfigError, ModelLoadError
+from kvpilot.errors import ConfigError, KvpilotError
 from kvpilot.policy.pause import POLICY_NAMES
-from kvpilot.server.limits import ServerLimits
-from kvpilot.server.tenancy import ApiKeys
+
+if TYPE_CHECKING:  # FastAPI and the server load only when `serve` runs
+    from fastapi import FastAPI
+
+    from kvpilot.server.banner import StartupBanner
+    from kvpilot.server.limits import ServerLimits
+
+
+def _default_limits() -> ServerLimits:
+    from kvpilot.server.limits import ServerLimits
+
+    return ServerLimits()
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,7 +42,7 @@ class ServeOptions:
     max_num_seqs: int | None = None
     device: str | None = None
     dtype: str | None = None
-    limits: ServerLimits = dataclasses.field(default_factory=ServerLimits)
+    limits: ServerLimits = dataclasses.field(default_factory=_default_limits)
 
     def __post_init__(self) -> None:
         if self.kv_memory_bytes is not None and self.kv_blocks is not None:
@@ -75,14 +84,20 @@ def engine_options(options: ServeOptions) -> dict[str, Any]:
     return {k: v for k, v in given.items() if v is not None}
 
 
-def build_app(options: ServeOptions) -> FastAPI:
+def build_app(options: ServeOptions, banner: StartupBanner | None = None) -> FastAPI:
     """The engine and app ``kvpilot serve`` would run, without starting a server."""
     from kvpilot.engine import Engine
     from kvpilot.server.app import create_app
+    from kvpilot.server.tenancy import ApiKeys
 
     keys = ApiKeys.from_file(options.api_keys) if options.api_keys else ApiKeys()
     given = engine_options(options)
-    engine = Engine.from_pretrained(options.model, **given)
+    if banner is not None:
+        banner.runtime()
+        banner.model_source(options.model)
+    engine = Engine.from_pretrained(options.model, load_progress=banner, **given)
+    if banner is not None:
+        banner.engine_ready(engine)
     return create_app(
         engine, model_name=options.model, limits=options.limits, api_keys=keys, options=given
     )
@@ -134,15 +149,21 @@ def serve(
     With --host-memory and/or --disk-dir, paused sessions' KV can move to host memory or
     disk; --policy decides per pause (breakeven: the spec's break-even rule).
     """
-    import uvicorn
+    from kvpilot.cli.checks import DTYPE_NAMES, check_checkpoint, check_choice, check_device
+    from kvpilot.cli.checks import for_flag as flag
+    from kvpilot.server.limits import ServerLimits
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(name)s: %(message)s")
-    try:
+    try:  # everything is checked before anything is loaded
+        check_checkpoint(model)
+        check_device(device)
+        if dtype is not None:
+            check_choice(dtype, DTYPE_NAMES, "--dtype")
         options = ServeOptions(
             model=model,
-            kv_memory_bytes=_size(kv_memory),
+            kv_memory_bytes=flag("--kv-memory", lambda: _size(kv_memory)),
             kv_blocks=kv_blocks,
-            host_memory_bytes=_size(host_memory),
+            host_memory_bytes=flag("--host-memory", lambda: _size(host_memory)),
             disk_dir=disk_dir,
             disk_blocks=disk_blocks,
             policy=policy,
@@ -159,7 +180,19 @@ def serve(
                 max_body_bytes=max_body_bytes,
             ),
         )
-        app = build_app(options)
-    except (ConfigError, ModelLoadError) as exc:
-        raise typer.BadParameter(str(exc)) from exc
+    except KvpilotError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(code=2) from exc
+    from kvpilot.server.banner import StartupBanner
+
+    banner = StartupBanner()
+    banner.starting(model, device, dtype)
+    try:
+        app = build_app(options, banner)
+    except KvpilotError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(code=2) from exc
+    import uvicorn
+
+    banner.listening(f"http://{host}:{port}")
     uvicorn.run(app, host=host, port=port, log_level="info")

@@ -11,15 +11,18 @@ from __future__ import annotations
 
 import json
 import math
+from functools import partial
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
-from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
+from kvpilot.cli.checks import for_flag
 from kvpilot.errors import ConfigError, KvpilotError
 from kvpilot.units import parse_duration
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 MINISWE_RELATIVE = Path("traces") / "lmcache-agent-trace" / "miniswe"
 
@@ -117,16 +120,30 @@ def sim(
     """Simulate agent serving on virtual time with the engine's own scheduler and memory."""
     import dataclasses
 
+    from rich.console import Console
+
     from kvpilot.engine.config import EngineConfig
     from kvpilot.sim.build import SimSetup, run_simulation
-    from kvpilot.sim.policies import DEFAULT_COMPARISON
+    from kvpilot.sim.policies import DEFAULT_COMPARISON, resolve_policy
     from kvpilot.sim.replay import ReplayOptions, load_replay
     from kvpilot.sim.report import print_comparison, print_result
     from kvpilot.sim.workload import WorkloadConfig
+    from kvpilot.sizing.geometry import resolve_geometry
+    from kvpilot.sizing.hardware import parse_node
 
     console = Console(stderr=as_json)
     try:
-        seconds = parse_duration(duration)
+        # Validate first: a bad name fails here, not after minutes of loading or simulating.
+        for_flag("--model", partial(resolve_geometry, model))
+        for_flag("--node", partial(parse_node, node))
+        names = [policy]
+        if compare_policies:
+            chosen = policies.split(",") if policies else list(DEFAULT_COMPARISON)
+            names = list(dict.fromkeys([policy, *(p.strip() for p in chosen if p.strip())]))
+        flag = "--policies" if compare_policies and policies else "--policy"
+        for name in names:
+            for_flag(flag, partial(resolve_policy, name))
+        seconds = for_flag("--duration", partial(parse_duration, duration))
         setup = SimSetup(
             model=model,
             node=node,
@@ -167,13 +184,10 @@ def sim(
             load = WorkloadConfig.from_yaml(workload) if workload else WorkloadConfig.default()
             if seed is not None:
                 load = dataclasses.replace(load, seed=seed)
-        names = [policy]
-        if compare_policies:
-            chosen = policies.split(",") if policies else list(DEFAULT_COMPARISON)
-            names = list(dict.fromkeys([policy, *(p.strip() for p in chosen if p.strip())]))
         results = []
-        for name in names:
-            with _progress(console, seconds, name, quiet=as_json) as update:
+        for k, name in enumerate(names, 1):
+            label = f"policy {k}/{len(names)}: {name}" if len(names) > 1 else name
+            with _progress(console, seconds, label, quiet=as_json) as update:
                 results.append(
                     run_simulation(
                         setup,
@@ -208,6 +222,8 @@ class _progress:
     """A rich progress bar over simulated seconds (a no-op when quiet)."""
 
     def __init__(self, console: Console, total_s: float, label: str, quiet: bool) -> None:
+        from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
         self.quiet = quiet
         self.total = total_s
         self.bar = Progress(
@@ -284,6 +300,9 @@ def calibrate(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Measure the real engine's per-step cost on this machine and fit a simulator profile."""
+    from rich.console import Console
+    from rich.progress import Progress
+
     from kvpilot.sim import calibrate as cal
     from kvpilot.sim.replay import ReplayOptions, load_replay
 
@@ -359,6 +378,8 @@ def trace_analyze(
     turns: Annotated[bool, typer.Option(help="Also print every call.")] = False,
 ) -> None:
     """Diagnose a trace's prefix reuse: hits vs ideal, where prompts diverge, tool waits."""
+    from rich.console import Console
+
     from kvpilot.trace.analyze import (
         DEFAULT_ZONES,
         diagnose,
