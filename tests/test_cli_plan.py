@@ -47,7 +47,8 @@ def test_plan_napkin_0_7_from_the_command_line() -> None:
 def test_plan_pause_prices_the_45_second_wait() -> None:
     result = runner.invoke(app, ["plan", "--pause", "45", "--context", "32768"])
     assert result.exit_code == 0, result.output
-    assert "offload_host" in result.output
+    assert "offload to host" in result.output  # the action, in words
+    assert "Offload to host: the 45.0 s wait" in result.output  # the reason leads with it
     assert "62x faster" in result.output
     assert "483" in result.output
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 
 from kvpilot.errors import ConfigError
@@ -45,3 +46,54 @@ def parse_duration(text: str) -> float:
     if value <= 0:
         raise ConfigError(f"duration must be positive, got {text!r}")
     return value
+
+
+# -- printing: one set of formatters, so every command writes sizes and times alike ------
+
+_DECIMAL = (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3))
+_BINARY = (("TiB", 2.0**40), ("GiB", 2.0**30), ("MiB", 2.0**20), ("KiB", 2.0**10))
+
+
+def _scaled(value: float) -> str:
+    return f"{value:.0f}" if abs(value) >= 100 else f"{value:.1f}"
+
+
+def format_bytes(n: float, *, binary: bool = False) -> str:
+    """A size in the unit that fits: '6.4 MB', '10.7 GB', '225 GB', '512 B'.
+
+    Decimal units by default (the spec's figures, e.g. 10.7 GB, read as in the spec);
+    ``binary=True`` for sizes people set in binary units (pools of 16 GiB, 640 KiB blocks).
+    """
+    for unit, scale in _BINARY if binary else _DECIMAL:
+        if abs(n) >= scale:
+            return f"{_scaled(n / scale)} {unit}"
+    return f"{n:.0f} B"
+
+
+def format_rate(bytes_per_s: float) -> str:
+    """A bandwidth: '338 MB/s', '64.0 GB/s'."""
+    return f"{format_bytes(bytes_per_s)}/s"
+
+
+def format_seconds(seconds: float) -> str:
+    """A duration that reads at a glance: '628 ms', '2.35 s', '45.0 s', '12 min', 'forever'."""
+    if math.isinf(seconds):
+        return "forever"
+    if seconds < 1e-3:
+        return f"{seconds * 1e6:.0f} µs"
+    if seconds < 1.0:
+        return f"{seconds * 1e3:.0f} ms"
+    if seconds < 10:
+        return f"{seconds:.2f} s"
+    if seconds < 100:
+        return f"{seconds:.1f} s"
+    if seconds < 600:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def format_byte_seconds(byte_seconds: float) -> str:
+    """Memory held over time (the retain tax): '4.0 MB·s', '483 GB·s'."""
+    return f"{format_bytes(byte_seconds)}·s"

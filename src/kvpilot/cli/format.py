@@ -5,14 +5,15 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from kvpilot.sizing.frag_lab import FragReport, ScenarioResult
-from kvpilot.sizing.plan import Plan
+if TYPE_CHECKING:
+    from kvpilot.sizing.frag_lab import FragReport, ScenarioResult
+    from kvpilot.sizing.plan import Plan
 
 
 def to_jsonable(value: Any) -> Any:
@@ -111,8 +112,8 @@ def render_plan(plan: Plan, console: Console) -> None:
         title_justify="left",
         box=box.SIMPLE_HEAD,
     )
-    for name in ("tokens", "KV (GB)", "reload (ms)", "recompute (s)", "held (GB·s)", "action"):
-        pause.add_column(name, justify="left" if name == "action" else "right")
+    for name in ("tokens", "KV\n(GB)", "reload\n(ms)", "recompute\n(s)", "held\n(GB·s)", "action"):
+        pause.add_column(name, justify="left" if name == "action" else "right", no_wrap=True)
     for row in plan.pauses:
         d = row.decision
         pause.add_row(
@@ -121,11 +122,20 @@ def render_plan(plan: Plan, console: Console) -> None:
             _ms(d.reload_s),
             f"{d.recompute_s:,.2f}",
             f"{d.held_gb_s:,.0f}",
-            d.action.value,
+            d.action.label.lower(),
         )
     console.print(pause)
     for row in plan.pauses:
         console.print(f"{row.context_tokens:,} tokens: {row.decision.reason}")
+
+
+FRAG_COLUMNS = ("alloc. eff. %", "ext. frag. %", "effective eff. %")
+FRAG_KEY = (
+    "alloc. eff.: allocation efficiency (η_alloc), share of allocated memory that holds tokens",
+    "ext. frag.: external fragmentation (Φ_ext), share of free memory in pieces < a {request} "
+    "request",
+    "effective eff.: effective efficiency (η_effective), share of the whole pool holding tokens",
+)
 
 
 def render_frag(
@@ -135,9 +145,9 @@ def render_frag(
     console: Console,
 ) -> None:
     gib = 1 << 30
-    request = f"Φ_ext {reports[0].request_bytes / gib:g} GiB (%)" if reports else "Φ_ext (%)"
-    table = Table(title=workload_title, title_justify="left", box=box.SIMPLE_HEAD)
-    for name in ("allocator", "admitted", "η_alloc (%)", request, "η_effective (%)"):
+    console.print(workload_title, style="italic")
+    table = Table(box=box.SIMPLE_HEAD)
+    for name in ("allocator", "admitted", *FRAG_COLUMNS):
         table.add_column(name, justify="left" if name == "allocator" else "right")
     for r in reports:
         table.add_row(
@@ -148,17 +158,23 @@ def render_frag(
             _pct(r.eta_effective),
         )
     console.print(table)
+    request = (
+        reports[0].request_bytes if reports else (scenarios[0].request_bytes if scenarios else 0)
+    )
+    for line in FRAG_KEY:
+        console.print(f"[dim]{line.format(request=f'{request / gib:g} GiB')}[/]")
 
     if not scenarios:
         return
     napkin = Table(
-        title=f"Napkin Math 0.2: 10 GiB pool, 160 KiB/token, next request "
+        title=f"The spec's pools A and B (Napkin Math 0.2): 10 GiB, 160 KiB/token, next request "
         f"{scenarios[0].request_bytes / gib:g} GiB",
         title_justify="left",
         box=box.SIMPLE_HEAD,
     )
-    for name in ("", "admitted", "η_alloc %", "Φ_ext %", "free GiB", "max hole GiB", "next"):
-        napkin.add_column(name, justify="right" if name else "left")
+    columns = ("pool", "admitted", *FRAG_COLUMNS[:2], "free GiB", "max hole GiB", "next")
+    for name in columns:
+        napkin.add_column(name, justify="left" if name == "pool" else "right")
     for sc in scenarios:
         snap = sc.snapshot
         napkin.add_row(

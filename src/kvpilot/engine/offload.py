@@ -185,7 +185,10 @@ class OffloadManager:
             why = "no disk tier is configured"
         else:
             return decision
-        reason = f"drop: {why}; {decision.reason}"
+        reason = (
+            f"Drop: the policy chose {action.label.lower()} but {why}, so the state is freed "
+            "now and recomputed on return."
+        )
         return dataclasses.replace(decision, action=PauseAction.DROP, reason=reason)
 
     def _apply(self, session: Session, record: PauseRecord, nodes: list[RadixNode]) -> None:

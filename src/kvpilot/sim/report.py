@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
@@ -15,6 +16,7 @@ from kvpilot.engine.engine import Engine
 from kvpilot.memory.tiers import Tier
 from kvpilot.sim.runner import SimulatedRunner
 from kvpilot.sim.simulator import Simulator
+from kvpilot.units import format_bytes, format_seconds
 
 _SPARK = "▁▂▃▄▅▆▇█"
 
@@ -235,6 +237,10 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:,.1f} ms" if seconds < 10 else f"{seconds:,.1f} s"
 
 
+def _time(seconds: float) -> str:
+    return "-" if math.isnan(seconds) else format_seconds(seconds)
+
+
 def _si(n: float) -> str:
     for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
         if abs(n) >= scale:
@@ -286,8 +292,9 @@ def print_result(console: Console, r: SimResult) -> None:
         ),
         (
             "bytes moved",
-            f"{_si(r.bytes_moved)}B between tiers ({r.extra.get('host_blocks', 0):,} host "
-            f"blocks); {r.fork_copied_blocks:,} fork tail blocks copied",
+            f"{format_bytes(r.bytes_moved)} between tiers (host tier "
+            f"{r.extra.get('host_blocks', 0):,} blocks); {r.fork_copied_blocks:,} fork tail "
+            "blocks copied",
         ),
         (
             "pause decisions",
@@ -316,22 +323,33 @@ def print_result(console: Console, r: SimResult) -> None:
 
 
 def print_comparison(console: Console, results: Sequence[SimResult]) -> None:
-    table = Table(title="policy comparison (same workload, same seed)", title_justify="left")
+    # Two-line headers, one space between columns, no vertical rules: eleven columns fit
+    # a 100-column terminal (about 85 wide with the longest policy names).
+    table = Table(
+        title="policy comparison (same workload, same seed)",
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+        collapse_padding=True,
+        pad_edge=False,
+    )
     columns = (
         "policy",
-        "out tok/s",
-        "traj/h",
-        "TTFT p50",
-        "TTFT p99",
-        "ITL p99",
-        "hit rate",
-        "KV held",
-        "moved",
-        "recomputed",
-        "blocked",
+        "output\ntok/s",
+        "traj.\nper h",
+        "TTFT\np50",
+        "TTFT\np99",
+        "ITL\np99",
+        "hit\nrate",
+        "KV held\n(mean)",
+        "KV\nmoved",
+        "recomp.\ntokens",
+        "engine\nblocked",
     )
     for col in columns:
-        table.add_column(col, justify="left" if col == "policy" else "right")
+        if col == "policy":
+            table.add_column(col, no_wrap=True)
+        else:
+            table.add_column(col, justify="right", no_wrap=True)
     for r in results:
         s = r.summary()
         recomputed = r.recomputed_tokens + int(r.extra.get("engine_recomputed_tokens", 0))
@@ -339,12 +357,12 @@ def print_comparison(console: Console, results: Sequence[SimResult]) -> None:
             r.label,
             f"{s['output_tokens_per_s']:,.0f}",
             f"{s['trajectories_per_hour']:,.1f}",
-            _ms(s["ttft_p50_s"]),
-            _ms(s["ttft_p99_s"]),
-            _ms(s["itl_p99_s"]),
+            _time(s["ttft_p50_s"]),
+            _time(s["ttft_p99_s"]),
+            _time(s["itl_p99_s"]),
             f"{r.hit_rate:.1%}",
             f"{s['kv_held_mean']:.0%}",
-            f"{_si(r.bytes_moved)}B",
+            format_bytes(r.bytes_moved),
             _si(recomputed),
             f"{r.blocked_s:,.0f} s" + (" stall" if r.stalled else ""),
         )
