@@ -51,7 +51,7 @@ def test_the_demo_serves_pauses_and_summarizes_consistently(tmp_path: Path) -> N
         trace_dir=write_trace(tmp_path / "trace"),
     )
     out = io.StringIO()
-    summary = run_engine_demo(Console(file=out, width=200), "tiny", config)
+    summary = run_engine_demo(Console(file=out, width=100), "tiny", config)
     assert summary.sessions == 1 and summary.turns == 2 and summary.pauses == 1
     pauses = sum(n for action, n in summary.decisions.items() if action != "demoted")
     assert pauses == summary.pauses
@@ -59,8 +59,16 @@ def test_the_demo_serves_pauses_and_summarizes_consistently(tmp_path: Path) -> N
     assert sum(summary.cached_by_tier.values()) == summary.cached_tokens
     assert summary.server_exit_code == 0  # stopped cleanly, engine closed
     text = out.getvalue()
-    assert "pytest for 0.50 s" in text  # the tool and its (x0.25) wait, from the trace
-    assert "summary" in text and "prefix hit rate" in text
+    assert "pytest runs 0.50 s" in text  # the tool and its (x0.25) wait, from the trace
+    # The child server's start-up banner is shown while it starts.
+    for step in ("serve | loading PyTorch", "serve | KV pool: 256 blocks", "serve | ready in"):
+        assert step in text, step
+    summary_text = text[text.index("what happened") :]
+    for figure in ("prefix hit rate", "demotions", "prefetch hits · stalls", "KV moved"):
+        assert figure in summary_text, figure
+    assert summary_text.count("good:") >= 3  # what a good value is, for the puzzling ones
+    assert "offload_host" not in text and "retain retain" not in text  # words, said once
+    assert all(len(line) <= 100 for line in text.splitlines() if not line.startswith("$ "))
 
 
 def test_trace_scripts_send_new_context_with_the_next_tool_and_its_wait(tmp_path: Path) -> None:

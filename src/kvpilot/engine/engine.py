@@ -118,6 +118,7 @@ class Engine:
         from kvpilot.model import ModelRunner
 
         cache_dir = options.pop("cache_dir", None)
+        load_progress = options.pop("load_progress", None)  # a model.loader.LoadProgress
         config = EngineConfig.from_kwargs(**options)
         kv_memory = config.kv_memory_bytes
         if config.kv_blocks is None and kv_memory is None:
@@ -131,6 +132,7 @@ class Engine:
             device=config.device,
             attention=config.attention,
             cache_dir=cache_dir,
+            progress=load_progress,
         )
         transport = None
         if config.has_tiers:

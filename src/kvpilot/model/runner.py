@@ -16,7 +16,7 @@ from kvpilot.model.batch import StepBatch
 from kvpilot.model.config import ModelConfig
 from kvpilot.model.kv_cache import KVCache, kv_bytes_per_block, num_blocks_for_memory
 from kvpilot.model.llama import LlamaModel
-from kvpilot.model.loader import iter_weights, resolve_model_path
+from kvpilot.model.loader import LoadProgress, iter_weights, resolve_model_path
 from kvpilot.model.sampler import Sampler, SampleRow
 from kvpilot.model.tokenizer import load_tokenizer
 
@@ -71,6 +71,7 @@ class ModelRunner:
         device: str = "cpu",
         attention: str = "torch",
         cache_dir: Path | None = None,
+        progress: LoadProgress | None = None,
     ) -> None:
         if num_blocks is not None and kv_memory_bytes is not None:
             raise ConfigError("give num_blocks or kv_memory_bytes, not both")
@@ -81,8 +82,15 @@ class ModelRunner:
         self.attention = make_attention_backend(attention)
         self.path = resolve_model_path(model, cache_dir)
         self.config = ModelConfig.from_folder(self.path)
+        if progress is not None:
+            progress.step("tokenizer")
         self.tokenizer: Any = load_tokenizer(self.path)
-        self.model = LlamaModel(self.config, iter_weights(self.path), self.device, self.dtype)
+        if progress is not None:
+            progress.step("weights")
+        weights = iter_weights(self.path, progress)
+        self.model = LlamaModel(self.config, weights, self.device, self.dtype)
+        if progress is not None:
+            progress.step("kv_pool")
         self.block_size = block_size
         if num_blocks is None:
             num_blocks = num_blocks_for_memory(
