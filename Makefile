@@ -1,22 +1,41 @@
 # The two commands a newcomer needs: `make demo` and `make test`.
+#
+# The first run sets up .venv (a few minutes). Each step says what it installs, and pip
+# shows its progress; nothing is echoed that a person does not need to read.
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip --disable-pip-version-check
 STAMP  := $(VENV)/.kvpilot-installed
 
 .PHONY: demo test lint format bench clean
 
+# On a machine without a GPU, the local CPU wheel of torch goes in first, so that the
+# package's own torch range never resolves to a multi-GB CUDA build.
 $(STAMP): pyproject.toml
-	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	# Pin the local CPU wheel of torch on machines without a GPU, so that the
-	# package's own torch range never resolves to a multi-GB CUDA build.
-	if ! command -v nvidia-smi >/dev/null 2>&1; then \
-		$(PY) -m pip install --quiet torch==2.13.0; fi
-	$(PY) -m pip install --quiet -e '.[dev]'
-	touch $(STAMP)
+	@echo "==> Setting up $(VENV), kvpilot's own Python environment (first run only)"
+	@if [ ! -x $(PY) ]; then \
+		echo "==> [1/4] Creating $(VENV) with $$(python3 --version) (about 20 s)"; \
+		python3 -m venv $(VENV) & pid=$$!; \
+		while kill -0 $$pid 2>/dev/null; do sleep 2; printf '.'; done; echo; \
+		wait $$pid; \
+	else echo "==> [1/4] $(VENV) exists"; fi
+	@echo "==> [2/4] Upgrading pip"
+	@$(PIP) install --upgrade pip
+	@if command -v nvidia-smi >/dev/null 2>&1; then \
+		echo "==> [3/4] A GPU is present: PyTorch comes with kvpilot's dependencies"; \
+	else \
+		echo "==> [3/4] Installing PyTorch 2.13.0, CPU build (no GPU here; the largest step)"; \
+		$(PIP) install torch==2.13.0; \
+	fi
+	@echo "==> [4/4] Installing kvpilot (editable) with its dependencies (transformers, FastAPI,"
+	@echo "    uvicorn, prometheus-client, matplotlib, ...) and test tools (pytest, hypothesis, ruff)"
+	@$(PIP) install -e '.[dev]'
+	@touch $(STAMP)
+	@echo "==> $(VENV) is ready"
 
 demo: $(STAMP)
-	$(VENV)/bin/kvpilot demo
+	@echo "==> kvpilot demo"
+	@$(VENV)/bin/kvpilot demo
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

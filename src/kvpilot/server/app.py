@@ -41,7 +41,7 @@ def create_app(
 ) -> FastAPI:
     """An app serving ``engine``; its engine thread runs while the app is up (lifespan)."""
     limits = limits or ServerLimits()
-    metrics = ServerMetrics()
+    metrics = ServerMetrics(engine.kv.block_size)
     tiers = describe_tiers(engine)  # before the engine thread starts: nobody else touches it
     async_engine = AsyncEngine(
         engine, on_iteration=metrics.observe, on_abort=metrics.requests_aborted.inc

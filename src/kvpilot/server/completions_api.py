@@ -108,6 +108,7 @@ async def _generate(
             else None
         ),
         keep_prompt_ids=body.return_token_ids,
+        ideal=state.metrics.ideal,
     )
     stream, submitted = await state.engine.submit(add)
     if session is not None:

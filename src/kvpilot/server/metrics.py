@@ -11,15 +11,21 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kvpilot.engine import Engine
+from kvpilot.engine import Engine, RequestOutput
 from kvpilot.engine.tier_stats import DIRECTIONS
 from kvpilot.memory import Tier
 from kvpilot.policy.breakeven import PauseAction
+from kvpilot.server.session_states import SESSION_STATES, session_state_counts
+from kvpilot.trace.ideal import IdealHitMeter
+
+if TYPE_CHECKING:
+    from kvpilot.server.submit import Submitted
 
 # Every pause action, and "demoted": idle KV the engine moved out under memory pressure.
 PAUSE_ACTIONS = (*(str(a) for a in PauseAction), "demoted")
@@ -52,7 +58,9 @@ class EngineSnapshot:
     prefix_hit_tokens: int = 0
     evicted_blocks: int = 0
     tiers: dict[str, TierUsage] = field(default_factory=dict)
+    tau_high: float = 0.0
     open_sessions: int = 0
+    sessions_by_state: dict[str, int] = field(default_factory=dict)
     # Pauses and tier moves (the engine's OffloadManager.stats).
     bytes_moved: dict[str, int] = field(default_factory=dict)
     pause_decisions: dict[str, int] = field(default_factory=dict)
@@ -98,7 +106,9 @@ def snapshot(engine: Engine) -> EngineSnapshot:
         prefix_hit_tokens=radix.stats.hit_tokens,
         evicted_blocks=radix.stats.evicted_blocks,
         tiers=tiers,
+        tau_high=engine.config.tau_high,
         open_sessions=len(engine.sessions),
+        sessions_by_state=session_state_counts(engine),
         bytes_moved=dict(tier_stats.bytes_moved),
         pause_decisions=dict(tier_stats.decisions),
         prefetch_hits=tier_stats.prefetch_hits,
@@ -131,9 +141,23 @@ class _EngineCollector(Collector):
             blocks.add_metric([tier, "cached"], t.cached_blocks)
         yield usage
         yield blocks
+        yield _gauge(
+            "kvpilot_tau_high_ratio",
+            "Admission ceiling on device KV usage (tau_high): new work waits above it",
+            s.tau_high,
+        )
         yield _gauge("kvpilot_requests_running", "Requests running", s.running)
         yield _gauge("kvpilot_requests_waiting", "Requests waiting for admission", s.waiting)
         yield _gauge("kvpilot_sessions_open", "Open agent sessions", s.open_sessions)
+        sessions = GaugeMetricFamily(
+            "kvpilot_sessions",
+            "Open agent sessions by state: running, waiting (for admission or KV), paused "
+            "(off at a tool), idle",
+            labels=["state"],
+        )
+        for state in SESSION_STATES:
+            sessions.add_metric([state], s.sessions_by_state.get(state, 0))
+        yield sessions
         yield _counter("kvpilot_engine_steps", "Engine steps run", s.steps)
         yield _counter(
             "kvpilot_prompt_tokens", "Prompt tokens of finished requests", s.prompt_tokens
@@ -229,8 +253,16 @@ def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
 class ServerMetrics:
     """The app's registry: engine snapshot collector, latency histograms, server counters."""
 
-    def __init__(self) -> None:
+    def __init__(self, block_size: int = 16) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        # What an unbounded prefix cache would have served: the figure hit rates compare to.
+        self.ideal = IdealHitMeter(block_size)
+        self.ideal_cached_tokens = Counter(
+            "kvpilot_ideal_cached_prompt_tokens",
+            "Prompt tokens of finished requests an unbounded prefix cache would have served "
+            "(compare with kvpilot_cached_prompt_tokens)",
+            registry=self.registry,
+        )
         self._lock = threading.Lock()
         self._latest = EngineSnapshot()
         self.ttft = Histogram(
@@ -294,6 +326,17 @@ class ServerMetrics:
         snap = snapshot(engine)
         with self._lock:
             self._latest = snap
+
+    def record_ideal(self, submitted: Submitted, output: RequestOutput) -> None:
+        """A request finished: count what an unbounded cache would have served of its prompt
+        (never less than what was served), and remember its prompt and output blocks."""
+        if submitted.whole_prompt is None:
+            return
+        self.ideal_cached_tokens.inc(max(submitted.ideal_cached_tokens, output.cached_tokens))
+        for branch in output.outputs:  # the KV of every generated token but the last
+            self.ideal.add(submitted.whole_prompt + list(branch.token_ids[:-1]), submitted.salt)
+        if not output.outputs:
+            self.ideal.add(submitted.whole_prompt, submitted.salt)
 
     def record_request(self, tenant: str | None, prompt_tokens: int, cached_tokens: int) -> None:
         label = tenant or "anonymous"

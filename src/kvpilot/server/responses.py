@@ -57,6 +57,7 @@ async def finish(call: Call, output: RequestOutput) -> KvpilotInfo:
     pause = None
     session = call.session
     completed = bool(output.outputs) and output.outputs[0].finish_reason != "abort"
+    state.metrics.record_ideal(call.submitted, output)
     if session is not None:
         session.record_turn(output.prompt_tokens, output.cached_tokens, by_tier(output))
         if call.chat and completed:

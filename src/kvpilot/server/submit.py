@@ -16,6 +16,7 @@ from kvpilot.errors import InvalidRequest
 from kvpilot.server.limits import resolve_max_tokens
 from kvpilot.server.protocol import ApiError, SessionHistory
 from kvpilot.server.turns import chat_resends_history, completion_resends_history, plan_turn
+from kvpilot.trace.ideal import IdealHitMeter
 
 log = logging.getLogger("kvpilot.server")
 
@@ -47,6 +48,11 @@ class Submitted:
     conversation: list[dict[str, Any]] | None = None  # the whole conversation of this turn
     opening_tokens: list[int] | None = None  # set when this turn (re)started the trajectory
     prompt_token_ids: list[int] | None = None  # the whole prompt, when the client asked for it
+    # What an unbounded cache would serve of the whole prompt, and that prompt, for the
+    # ideal meter (`ServerMetrics.ideal`): set when a meter was given.
+    ideal_cached_tokens: int = 0
+    whole_prompt: list[int] | None = None
+    salt: str | None = None
 
 
 def render_chat(
@@ -88,6 +94,7 @@ def request_adder(
     salt: str | None,
     session: SessionSpec | None,
     keep_prompt_ids: bool = False,
+    ideal: IdealHitMeter | None = None,
 ) -> Callable[[Engine], tuple[str, Submitted]]:
     """An engine command that adds the request (or session turn) and describes what it did."""
 
@@ -104,9 +111,20 @@ def request_adder(
         check_fits(engine, len(tokens))
         final = _with_max_tokens(engine, len(tokens))
         engine.add_request(tokens, final, request_id=request_id, salt=salt)
-        return request_id, Submitted(
+        submitted = Submitted(
             prompt_tokens=len(tokens), prompt_token_ids=tokens if keep_prompt_ids else None
         )
+        return request_id, _with_ideal(submitted, tokens, salt, own=0)
+
+    def _with_ideal(
+        submitted: Submitted, whole: list[int], salt: str | None, own: int
+    ) -> Submitted:
+        """The ideal hit: the best of a block-aligned prefix seen before (any session of
+        this salt) and the session's own computed context (token-exact)."""
+        if ideal is None:
+            return submitted
+        hit = max(ideal.hit(whole, salt), min(own, len(whole) - 1))
+        return replace(submitted, ideal_cached_tokens=hit, whole_prompt=whole, salt=salt)
 
     def _with_max_tokens(engine: Engine, total: int) -> SamplingParams:
         max_tokens = resolve_max_tokens(
@@ -163,13 +181,17 @@ def request_adder(
             expected_tool_wait_s=spec.expected_tool_wait_s,
             tool=spec.tool,
         )
-        return request_id, Submitted(
+        submitted = Submitted(
             prompt_tokens=len(whole),
             divergence_index=plan.divergence_index,
             conversation=conversation,
             opening_tokens=whole if (plan.restart or not history) else None,
             prompt_token_ids=list(whole) if keep_prompt_ids else None,
         )
+        # Every history token but the last generated one had its KV computed.
+        shared = plan.divergence_index if plan.restart else len(history)
+        own = min(shared or 0, len(history) - 1)
+        return request_id, _with_ideal(submitted, list(whole), current.salt, own)
 
     return add
 

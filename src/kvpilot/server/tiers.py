@@ -4,6 +4,7 @@ state, so it runs on the engine thread (inside an `AsyncEngine` command or hook)
 from __future__ import annotations
 
 import math
+import time
 from array import array
 from typing import Any
 
@@ -26,9 +27,13 @@ def jsonable(value: Any) -> Any:
 
 
 def pause_info(engine: Engine, session_id: str) -> dict[str, Any] | None:
-    """The session's standing pause (action, reason, the figures, state), if it is paused."""
+    """The session's standing pause (action, reason, the figures, state, and when it was
+    decided as a Unix time), if it is paused."""
     record = engine.offload.record_for(session_id)
-    return None if record is None else jsonable(record.as_dict())
+    if record is None:
+        return None
+    decided_at = time.time() - (engine.clock.now() - record.paused_at)
+    return jsonable({**record.as_dict(), "decided_at": decided_at})
 
 
 def session_residency(engine: Engine, session: Session) -> dict[str, Any]:
