@@ -138,7 +138,8 @@ def run_engine_demo(
                     f"last lines of the server's log:\n{server.log_tail()}"
                 ) from exc
         finally:
-            server.stop()
+            with console.status("stopping kvpilot serve (it closes the engine and disk tier)"):
+                server.stop()
         wall = time.monotonic() - start
     summary = _summarize(results, metrics, block_size, len(scripts), wall, server.returncode)
     console.print(_summary_table(summary))
