@@ -6,6 +6,10 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip --disable-pip-version-check
 STAMP  := $(VENV)/.kvpilot-installed
+# Runs a command that shows no progress of its own, printing a dot every 2 s meanwhile.
+DOTS   := sh -c '"$$@" & pid=$$!; dots=; while kill -0 $$pid 2>/dev/null; do sleep 2; \
+	if kill -0 $$pid 2>/dev/null; then printf .; dots=1; fi; done; \
+	[ -z "$$dots" ] || echo; wait $$pid' --
 
 .PHONY: demo test lint format bench clean
 
@@ -15,12 +19,10 @@ $(STAMP): pyproject.toml
 	@echo "==> Setting up $(VENV), kvpilot's own Python environment (first run only)"
 	@if [ ! -x $(PY) ]; then \
 		echo "==> [1/4] Creating $(VENV) with $$(python3 --version) (about 20 s)"; \
-		python3 -m venv $(VENV) & pid=$$!; \
-		while kill -0 $$pid 2>/dev/null; do sleep 2; printf '.'; done; echo; \
-		wait $$pid; \
+		$(DOTS) python3 -m venv $(VENV); \
 	else echo "==> [1/4] $(VENV) exists"; fi
-	@echo "==> [2/4] Upgrading pip"
-	@$(PIP) install --upgrade pip
+	@echo "==> [2/4] Upgrading pip (its progress bars show the installs that follow)"
+	@$(DOTS) $(PIP) install --quiet --upgrade pip
 	@if command -v nvidia-smi >/dev/null 2>&1; then \
 		echo "==> [3/4] A GPU is present: PyTorch comes with kvpilot's dependencies"; \
 	else \
