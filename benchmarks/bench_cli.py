@@ -77,7 +77,7 @@ def watch_on_pty(argv: list[str]) -> dict[str, float]:
     start = time.monotonic()
     last_byte = last_line = start
     first = None
-    longest_silence = longest_line_wait = 0.0
+    longest_silence = longest_line_wait = silence_at = 0.0
     while True:
         ready, _, _ = select.select([fd], [], [], 1.0)
         if not ready:
@@ -90,7 +90,8 @@ def watch_on_pty(argv: list[str]) -> dict[str, float]:
             break
         now = time.monotonic()
         first = first if first is not None else now - start
-        longest_silence = max(longest_silence, now - last_byte)
+        if now - last_byte > longest_silence:
+            longest_silence, silence_at = now - last_byte, last_byte - start
         last_byte = now
         if b"\n" in data:
             longest_line_wait = max(longest_line_wait, now - last_line)
@@ -102,6 +103,7 @@ def watch_on_pty(argv: list[str]) -> dict[str, float]:
     return {
         "first_output_s": round(first or total, 2),
         "longest_silence_s": round(longest_silence, 2),
+        "longest_silence_after_s": round(silence_at, 1),
         "longest_wait_for_a_line_s": round(longest_line_wait, 2),
         "total_s": round(total, 1),
     }

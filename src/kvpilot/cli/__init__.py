@@ -161,24 +161,23 @@ def demo(
     model: Annotated[str, typer.Option(help="Checkpoint folder, or the built-in tiny.")] = "tiny",
 ) -> None:
     """The main job on built-in defaults: plan, frag, then `kvpilot serve` with agent sessions."""
+    from rich.console import Console
+
     from kvpilot.cli.checks import check_checkpoint
 
     try:
-        check_checkpoint(model)
-        from kvpilot.demo.run import DemoConfig, run_engine_demo
-
-        config = DemoConfig()
+        check_checkpoint(model)  # the demo's one option: checked before any work
     except KvpilotError as exc:
         raise _fail(exc) from exc
-    from rich.console import Console
-
     console = Console()
     console.rule("[bold]kvpilot plan: Llama-3-70B on 8xH100, 8k/32k/128k, a 45 s pause")
     plan(pause=45.0)
     console.rule("[bold]kvpilot frag: static vs buddy vs paged allocation")
     frag()
     try:
-        run_engine_demo(console, model, config)
+        from kvpilot.demo.run import run_engine_demo
+
+        run_engine_demo(console, model)
     except KvpilotError as exc:
         raise _fail(exc) from exc
 
