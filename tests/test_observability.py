@@ -29,9 +29,13 @@ METRIC = re.compile(r"\bkvpilot_[a-z0-9_]+\b")
 SESSIONS = 2
 
 
-def drive(url: str) -> None:
+KEY = "k-alice"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+def drive(url: str, headers: dict[str, str] | None = None) -> None:
     """Two agent sessions of two turns, each turn ending on a tool call; one plain request."""
-    with httpx.Client(base_url=url, timeout=120.0) as client:
+    with httpx.Client(base_url=url, timeout=120.0, headers=headers) as client:
         for k in range(SESSIONS):
             sid = client.post("/v1/sessions").json()["id"]
             for turn in range(2):
@@ -48,10 +52,12 @@ def drive(url: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[ServeProcess]:
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
+    keys = tmp_path_factory.mktemp("keys") / "keys.txt"
+    keys.write_text(f"{KEY} alice\nk-bob bob\n")
     args = ["--kv-blocks", "128", "--host-memory", "8MiB", "--max-model-len", "2048"]
-    with ServeProcess(args) as srv:
-        drive(srv.base_url)
+    with ServeProcess([*args, "--api-keys", str(keys)]) as srv:
+        drive(srv.base_url, AUTH)
         yield srv
 
 
@@ -80,7 +86,7 @@ def test_metrics_export_tau_high_sessions_by_state_and_the_ideal(exported: dict)
 def test_the_sessions_list_says_what_each_session_does_and_why_it_paused(
     server: ServeProcess,
 ) -> None:
-    listed = httpx.get(f"{server.base_url}/v1/sessions", timeout=30).json()
+    listed = httpx.get(f"{server.base_url}/v1/sessions", headers=AUTH, timeout=30).json()
     assert listed["object"] == "list" and len(listed["data"]) == SESSIONS
     for session in listed["data"]:
         assert session["state"] == "paused" and session["turns"] == 2
@@ -102,7 +108,8 @@ def run_top(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_top_shows_a_live_server(server: ServeProcess) -> None:
-    result = run_top("--url", server.base_url, "--iterations", "2", "--interval", "0.3")
+    args = ("--url", server.base_url, "--api-key", KEY, "--iterations", "2", "--interval", "0.3")
+    result = run_top(*args)
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert out.count("kvpilot top · ") == 2  # two refreshes
@@ -134,15 +141,14 @@ def test_top_says_when_no_server_answers() -> None:
     assert "cannot read http://127.0.0.1:9" in result.stderr and "kvpilot serve" in result.stderr
 
 
-def test_top_needs_the_api_key_of_a_server_with_keys(tmp_path: Path) -> None:
-    keys = tmp_path / "keys.txt"
-    keys.write_text("k-alice alice\n")
-    with ServeProcess(["--kv-blocks", "32", "--api-keys", str(keys)]) as srv:
-        refused = run_top("--url", srv.base_url, "--iterations", "1")
-        assert refused.returncode == 2 and "--api-key" in refused.stderr
-        shown = run_top("--url", srv.base_url, "--api-key", "k-alice", "--iterations", "1")
-        assert shown.returncode == 0, shown.stderr
-        assert "no pauses yet" in shown.stdout
+def test_top_without_the_servers_api_key_says_which_flag_it_needs(server: ServeProcess) -> None:
+    refused = run_top("--url", server.base_url, "--iterations", "1")
+    assert refused.returncode == 2 and "--api-key" in refused.stderr
+
+
+def test_another_tenant_sees_none_of_these_sessions(server: ServeProcess) -> None:
+    bob = httpx.get(f"{server.base_url}/v1/sessions", headers={"Authorization": "Bearer k-bob"})
+    assert bob.status_code == 200 and bob.json()["data"] == []
 
 
 def test_the_usage_bar_marks_tau_high_and_turns_red_above_it() -> None:
