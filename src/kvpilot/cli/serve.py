@@ -86,6 +86,8 @@ def engine_options(options: ServeOptions) -> dict[str, Any]:
 
 def build_app(options: ServeOptions, banner: StartupBanner | None = None) -> FastAPI:
     """The engine and app ``kvpilot serve`` would run, without starting a server."""
+    if banner is not None:
+        banner.runtime()  # the longest import first, with a line before and after
     from kvpilot.engine import Engine
     from kvpilot.server.app import create_app
     from kvpilot.server.tenancy import ApiKeys
@@ -93,7 +95,6 @@ def build_app(options: ServeOptions, banner: StartupBanner | None = None) -> Fas
     keys = ApiKeys.from_file(options.api_keys) if options.api_keys else ApiKeys()
     given = engine_options(options)
     if banner is not None:
-        banner.runtime()
         banner.model_source(options.model)
     engine = Engine.from_pretrained(options.model, load_progress=banner, **given)
     if banner is not None:
