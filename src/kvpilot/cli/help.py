@@ -1,7 +1,8 @@
 """Help that reads right: the command classes every `kvpilot` command and group uses.
 
-- A boolean flag renders as a flag (``--json``), not as an option taking a value
-  (Typer's rich help prints ``--json <bool>``, ``--help <bool>``).
+- A boolean flag renders as a flag (``--json``), not as an option taking a value (Typer
+  0.29's rich help prints ``--json <bool>``, ``--help <bool>``; the pinned Typer < 0.29
+  does not, and this keeps it so if the pin is lifted).
 - A group run with no arguments (bare ``kvpilot``, ``kvpilot trace``) prints its help and
   exits 0: asking what there is to run is not an error.
 """
