@@ -4,7 +4,10 @@ A backend first `prepare`s a step (masks, gather indices: once per step, shared 
 layers), then for each layer writes the step's new K/V into their slots and attends:
 
 - decodes (one query each) are batched: their blocks are gathered into a padded
-  [n, max_blocks * B] context with a length mask, one SDPA call for all of them;
+  [n, max_blocks * B] context with a length mask, one SDPA call for all of them; the
+  gathered slots past each context (its last block's unwritten tail, padding blocks) may
+  hold anything, NaN included (freed blocks are poisoned in tests), so they are zeroed:
+  a masked score still multiplies its value by 0, and 0 * NaN is NaN;
 - a prefill chunk attends to its cached prefix, read through its block table, plus itself
   causally (query i of a chunk starting at s sees keys 0 .. s + i).
 
@@ -58,6 +61,7 @@ class _ChunkPlan:
 @dataclass(frozen=True, slots=True)
 class _TorchStepState:
     decode_masks: dict[int | None, torch.Tensor]  # [n_dec, 1, 1, max_blocks * B]
+    decode_outside: torch.Tensor | None  # [n_dec, max_blocks * B, 1, 1]: past the context
     chunks: tuple[_ChunkPlan, ...]
 
 
@@ -69,11 +73,13 @@ class TorchAttention(AttentionBackend):
     def prepare(self, batch: StepBatch, windows: Iterable[int | None]) -> _TorchStepState:
         windows = tuple(dict.fromkeys(windows))
         decode_masks: dict[int | None, torch.Tensor] = {}
+        outside = None
         if batch.num_decodes:
             width = batch.decode_block_tables.shape[1] * batch.block_size
             keys = torch.arange(width, device=batch.positions.device)[None, :]
             query = batch.decode_positions[:, None]
             visible = keys <= query
+            outside = ~visible[:, :, None, None]
             for window in windows:
                 mask = visible if window is None else visible & (keys > query - window)
                 decode_masks[window] = mask[:, None, None, :]
@@ -92,7 +98,7 @@ class TorchAttention(AttentionBackend):
                     mask = mask & (keys > query - window)
                 masks[window] = mask[None, None]
             chunks.append(_ChunkPlan(masks))
-        return _TorchStepState(decode_masks, tuple(chunks))
+        return _TorchStepState(decode_masks, outside, tuple(chunks))
 
     def forward(
         self,
@@ -162,6 +168,9 @@ class TorchAttention(AttentionBackend):
         # index_select copies whole blocks; advanced indexing is ~5x slower on CPU.
         keys = key_cache.index_select(0, flat_tables).view(n, width, num_kv_heads, head_dim)
         values = value_cache.index_select(0, flat_tables).view(n, width, num_kv_heads, head_dim)
+        assert state.decode_outside is not None
+        keys.masked_fill_(state.decode_outside, 0.0)
+        values.masked_fill_(state.decode_outside, 0.0)
         keys, values = keys.transpose(1, 2), values.transpose(1, 2)
         # One query per sequence: the G query heads sharing a KV head ride in the
         # query-length dimension, so grouped-query attention needs no K/V expansion.

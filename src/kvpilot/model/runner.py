@@ -188,3 +188,7 @@ class ModelRunner:
     @torch.inference_mode()
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         self.kv_cache.copy_blocks(pairs)
+
+    @torch.inference_mode()
+    def poison_blocks(self, blocks: Sequence[int]) -> None:
+        self.kv_cache.poison(blocks)

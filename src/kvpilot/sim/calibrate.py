@@ -80,6 +80,9 @@ class TimedExecutor:
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         self.inner.copy_blocks(pairs)
 
+    def poison_blocks(self, blocks: Sequence[int]) -> None:
+        self.inner.poison_blocks(blocks)
+
 
 @dataclass(frozen=True, slots=True)
 class StepSample:

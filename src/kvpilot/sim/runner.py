@@ -82,6 +82,9 @@ class SimulatedRunner:
         self.last_shape = shape
         return StepOutput(out)
 
+    def poison_blocks(self, blocks: Sequence[int]) -> None:
+        """Nothing to poison: simulated blocks hold no KV."""
+
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         if not pairs:
             return
