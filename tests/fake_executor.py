@@ -17,6 +17,7 @@ import numpy as np
 
 from kvpilot.engine.executor import SeqWork, StepOutput
 from kvpilot.engine.sampling import SamplingParams
+from kvpilot.memory import ModelFingerprint
 
 VOCAB = 500
 
@@ -47,7 +48,7 @@ POISON = -1
 
 
 class FakeExecutor:
-    fingerprint = b"fake-executor"
+    fingerprint = ModelFingerprint.of("fake executor: the KV is the token")
 
     def __init__(self, num_blocks: int, block_size: int = 16) -> None:
         self.num_blocks = num_blocks

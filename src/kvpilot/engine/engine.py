@@ -66,6 +66,7 @@ class Engine:
                 block_size=executor.block_size,
                 num_device_blocks=executor.num_blocks,
                 num_host_blocks=host_blocks,
+                model_fingerprint=executor.fingerprint.digest,
             ),
             clock=self.clock.now,
         )
@@ -99,8 +100,11 @@ class Engine:
         if cfg.disk_dir is not None and transport is not None:
             from kvpilot.store import DiskBlockStore, SessionStore
 
-            disk = DiskBlockStore(Path(cfg.disk_dir), cfg.disk_kv_blocks, transport.block_bytes)
-            sessions = SessionStore(Path(cfg.disk_dir))
+            model = self.executor.fingerprint
+            disk = DiskBlockStore(
+                Path(cfg.disk_dir), cfg.disk_kv_blocks, transport.block_bytes, model=model
+            )
+            sessions = SessionStore(Path(cfg.disk_dir), model=model)
         return OffloadManager(
             self.kv,
             make_pause_policy(cfg.pause_policy, ttl_s=cfg.pause_ttl_s),

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from kvpilot.engine.sampling import SamplingParams
+from kvpilot.memory.hashing import ModelFingerprint
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,7 +59,7 @@ class Executor(Protocol):
 
     block_size: int
     num_blocks: int
-    fingerprint: bytes
+    fingerprint: ModelFingerprint
 
     def execute(self, works: Sequence[SeqWork]) -> StepOutput:
         """Compute KV for every work's tokens; sample where asked."""

@@ -71,6 +71,7 @@ class TimedExecutor:
         self.inner = inner
         self.block_size = inner.block_size
         self.num_blocks = inner.num_blocks
+        self.fingerprint = inner.fingerprint
         self.last_shape: BatchShape | None = None
 
     def execute(self, works: Sequence[SeqWork]) -> StepOutput:
