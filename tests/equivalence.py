@@ -102,9 +102,24 @@ class LogitRecorder:
     def finish(self, request_id: str) -> Turn:
         """Run the request to the end; its tokens and logits."""
         seq_id = self.engine.requests[request_id].seqs[0].seq_id
-        out = self.engine.run_until_finished(request_id)
+        return self._turn(seq_id, self.engine.run_until_finished(request_id).token_ids)
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams = PARAMS
+    ) -> list[Turn]:
+        """Run a batch of requests together, checking invariants after every step."""
+        engine = self.engine
+        ids = [engine.add_request(list(p), params) for p in prompts]
+        seqs = [engine.requests[rid].seqs[0].seq_id for rid in ids]
+        while engine.has_unfinished():
+            engine.step()
+            engine.check_invariants()
+        outs = [engine.pop_output(rid) for rid in ids]
+        return [self._turn(s, out.token_ids) for s, out in zip(seqs, outs, strict=True)]
+
+    def _turn(self, seq_id: int, token_ids: Sequence[int]) -> Turn:
         rows = self.rows.pop(seq_id, [])
-        tokens = tuple(out.token_ids)
+        tokens = tuple(token_ids)
         assert len(rows) == len(tokens), f"{len(rows)} logit rows for {len(tokens)} tokens"
         return Turn(tokens, torch.stack(rows))
 
