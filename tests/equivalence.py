@@ -159,6 +159,7 @@ def tiered(model: str | Path, tmp: Path, policy: str, **kw: object) -> Engine:
         "kv_blocks": 128,
         "host_kv_blocks": 128,
         "disk_dir": str(disk_dir(tmp, policy)),
+        "disk_kv_blocks": 256,  # a small data file: the damage tests rewrite it whole
         "pause_policy": policy,
     }
     options.update(kw)
