@@ -10,6 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvpilot.engine import Engine, EngineConfig, SamplingParams
 from kvpilot.engine.executor import SeqWork
@@ -102,3 +104,40 @@ def test_decodes_ignore_garbage_past_the_context(tiny_model_dir: Path) -> None:
     for seq in (0, 1):
         assert not got[seq].isnan().any()
         torch.testing.assert_close(got[seq], want[seq], atol=1e-5, rtol=0)
+
+
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["alloc", "incref", "decref", "decref_many"]), st.integers(0, 7)),
+        max_size=60,
+    )
+)
+def test_on_free_reports_each_release_to_the_free_list_once(ops: list[tuple[str, int]]) -> None:
+    pool = BlockPool(8)
+    reported: list[int] = []
+    pool.on_free = reported.extend
+    model: dict[int, int] = {}  # block -> refcount
+    released: list[int] = []
+    for op, arg in ops:
+        held = sorted(model)
+        if op == "alloc" and pool.num_free:
+            (block,) = pool.allocate(1)
+            model[block] = 1
+        elif op == "incref" and held:
+            block = held[arg % len(held)]
+            pool.incref(block)
+            model[block] += 1
+        elif op == "decref" and held:
+            block = held[arg % len(held)]
+            pool.decref(block)
+            model[block] -= 1
+        elif op == "decref_many" and held:
+            blocks = held[: 1 + arg % len(held)]
+            pool.decref_many(blocks)
+            for block in blocks:
+                model[block] -= 1
+        for block in [b for b, n in model.items() if n == 0]:
+            released.append(block)
+            del model[block]
+        assert sorted(reported) == sorted(released)
+        pool.check_invariants()
