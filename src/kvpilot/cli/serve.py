@@ -42,6 +42,7 @@ class ServeOptions:
     max_num_seqs: int | None = None
     device: str | None = None
     dtype: str | None = None
+    poison_freed_blocks: bool = False
     limits: ServerLimits = dataclasses.field(default_factory=_default_limits)
 
     def __post_init__(self) -> None:
@@ -80,6 +81,7 @@ def engine_options(options: ServeOptions) -> dict[str, Any]:
         "disk_kv_blocks": options.disk_blocks,
         "pause_ttl_s": options.pause_ttl_s,
         "pause_policy": options.policy,
+        "poison_freed_blocks": True if options.poison_freed_blocks else None,
     }
     return {k: v for k, v in given.items() if v is not None}
 
@@ -144,6 +146,12 @@ def serve(
     max_n: Annotated[int, typer.Option(help="Largest n a request may ask for.")] = 8,
     max_sessions_per_tenant: Annotated[int, typer.Option(help="Open sessions per tenant.")] = 256,
     max_body_bytes: Annotated[int, typer.Option(help="Largest request body, bytes.")] = 4 << 20,
+    poison_freed_blocks: Annotated[
+        bool,
+        typer.Option(
+            help="Overwrite every freed KV block with NaN, so a stale read shows (a check)."
+        ),
+    ] = False,
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API, with agent sessions and /metrics.
 
@@ -174,6 +182,7 @@ def serve(
             max_num_seqs=max_num_seqs,
             device=device,
             dtype=dtype,
+            poison_freed_blocks=poison_freed_blocks,
             limits=ServerLimits(
                 max_tokens_limit=max_tokens_limit,
                 max_n=max_n,

@@ -7,8 +7,10 @@ and the break-even pause policy. An agent-style client (`kvpilot.demo.client`) r
 recorded miniswe sessions through it, each turn sent as the new part of the session with
 the coming tool call and its wait. Every turn prints its cached tokens (and the tier they
 came back from) and the pause decision with its reason; a summary compares the hit rate
-with the ideal one and shows what the tiers did. The server is always stopped at the end,
-on an error or Ctrl-C too.
+with the ideal one and shows what the tiers did. Then every resumed turn is recomputed from
+its tokens with nothing cached (the server poisons freed KV blocks, so a stale read would
+show): the summary counts the mismatches, which must be 0. The server is always stopped at
+the end, on an error or Ctrl-C too.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from kvpilot.demo.client import (
     AgentScript,
     ScriptBudget,
     TurnResult,
+    Verification,
     ideal_hit_rate_of,
     load_scripts,
 )
@@ -70,6 +73,7 @@ class DemoConfig:
     policy: str = "breakeven"
     trace_dir: Path | None = field(default_factory=default_trace_dir)
     max_model_len: int = 8192
+    poison_freed_blocks: bool = True  # a stale KV read shows as a mismatch
 
     def __post_init__(self) -> None:
         need = self.budget.context_tokens(self.max_tokens)
@@ -100,6 +104,8 @@ class DemoSummary:
     idle_gb_s: float
     wall_s: float
     server_exit_code: int | None
+    recomputed_turns: int  # resumed turns checked against a recompute
+    mismatches: int  # of those, how many differed (must be 0)
 
 
 def run_engine_demo(
@@ -113,6 +119,7 @@ def run_engine_demo(
             *("--model", model, "--kv-blocks", str(config.kv_blocks)),
             *("--host-memory", config.host_memory, "--disk-dir", str(Path(tmp) / "kv")),
             *("--policy", config.policy, "--max-model-len", str(config.max_model_len)),
+            *(["--poison-freed-blocks"] if config.poison_freed_blocks else []),
         ]
         server = ServeProcess(
             args, log_path=Path(tmp) / "serve.log", on_log=lambda line: _banner_line(console, line)
@@ -132,6 +139,7 @@ def run_engine_demo(
             try:
                 results = _replay(console, server.base_url, model, scripts, config)
                 metrics = _scrape(server.base_url)
+                verification = _verify(console, server.base_url, model, results, config)
             except (openai.OpenAIError, httpx.HTTPError) as exc:
                 raise DemoError(
                     f"the agent replay failed: {type(exc).__name__}: {exc}\n"
@@ -141,8 +149,16 @@ def run_engine_demo(
             with console.status("stopping kvpilot serve (it closes the engine and disk tier)"):
                 server.stop()
         wall = time.monotonic() - start
-    summary = _summarize(results, metrics, block_size, len(scripts), wall, server.returncode)
+    summary = _summarize(
+        results, metrics, verification, block_size, len(scripts), wall, server.returncode
+    )
     console.print(_summary_table(summary))
+    if verification.mismatches:
+        raise DemoError(
+            f"{len(verification.mismatches)} of {verification.checked} resumed turns differ "
+            "from a recompute of the same turn: KV was lost or mixed up on the way\n"
+            + "\n".join(verification.mismatches)
+        )
     return summary
 
 
@@ -192,6 +208,21 @@ def _replay(
         return client.replay(scripts, on_turn)
 
 
+def _verify(
+    console: Console, url: str, model: str, results: list[TurnResult], config: DemoConfig
+) -> Verification:
+    console.rule("[bold]every resumed turn again, recomputed from its tokens")
+    with AgentClient(url, model=model, max_tokens=config.max_tokens) as client:
+        verification = client.verify(results)
+    for line in verification.mismatches:
+        console.print(f"[red]mismatch[/] {escape(line)}")
+    console.print(
+        f"{verification.checked} resumed turns recomputed from their tokens: "
+        f"{len(verification.mismatches)} mismatches"
+    )
+    return verification
+
+
 def _turn_line(r: TurnResult) -> str:
     tiers = " · ".join(f"{t} {r.cached_by_tier[t]:,}" for t in TIERS if r.cached_by_tier[t])
     line = (
@@ -227,6 +258,7 @@ def _scrape(url: str) -> dict[str, float]:
 def _summarize(
     results: list[TurnResult],
     metrics: dict[str, float],
+    verification: Verification,
     block_size: int,
     sessions: int,
     wall_s: float,
@@ -260,6 +292,8 @@ def _summarize(
         idle_gb_s=metrics.get("kvpilot_idle_kv_gb_seconds_total", 0.0),
         wall_s=wall_s,
         server_exit_code=exit_code,
+        recomputed_turns=verification.checked,
+        mismatches=len(verification.mismatches),
     )
 
 
@@ -323,6 +357,12 @@ def _summary_table(s: DemoSummary) -> Table:
         "idle device KV",
         format_byte_seconds(s.idle_gb_s * 1e9),
         "device memory held by paused sessions over time (what retaining costs)",
+    )
+    row(
+        "resumed turns vs a recompute",
+        f"{s.recomputed_turns} checked, {s.mismatches} mismatches",
+        "each resumed turn run again from its tokens with no cache; good: 0 (anything else "
+        "means KV was lost or mixed up)",
     )
     stopped = "cleanly" if s.server_exit_code == 0 else f"with status {s.server_exit_code}"
     row("wall time", f"{format_seconds(s.wall_s)} (server stopped {stopped})")

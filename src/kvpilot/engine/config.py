@@ -16,6 +16,10 @@ class EngineConfig:
     ``chunked_prefill=False``: a prompt is computed in one step whatever its length.
     New work is admitted only while device KV usage (blocks held, not counting cached
     blocks that could be evicted) is below ``tau_high``.
+
+    ``poison_freed_blocks`` overwrites every KV block returned to a free list (device and host)
+    with NaN, so a missed copy, a wrong slot or a stale block shows up as NaN or wrong
+    output instead of passing silently; the test suite runs with it on.
     """
 
     block_size: int = 16
@@ -41,6 +45,7 @@ class EngineConfig:
     pause_ttl_s: float = 10.0
     default_tool_wait_s: float = 1.0
     prefetch: bool = True
+    poison_freed_blocks: bool = False
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

@@ -32,7 +32,7 @@ from kvpilot.engine.scheduler import Scheduler, SchedulerOutput
 from kvpilot.engine.session import Session
 from kvpilot.engine.stats import EngineStats
 from kvpilot.errors import InvalidRequest, OutOfBlocks, PromptTooLong
-from kvpilot.memory import KVConfig, KVManager
+from kvpilot.memory import KVConfig, KVManager, Tier
 from kvpilot.policy.breakeven import PauseDecision
 from kvpilot.policy.pause import make_pause_policy
 
@@ -66,9 +66,12 @@ class Engine:
                 block_size=executor.block_size,
                 num_device_blocks=executor.num_blocks,
                 num_host_blocks=host_blocks,
+                model_fingerprint=executor.fingerprint.digest,
             ),
             clock=self.clock.now,
         )
+        if self.config.poison_freed_blocks:
+            self._poison_freed_blocks(executor, transport)
         self.scheduler = Scheduler(self.config, self.kv, reclaim_idle=self._reclaim_idle)
         self.scheduler.admission_gate = self._admission_gate
         self.scheduler.on_admit = self._on_admit
@@ -84,14 +87,24 @@ class Engine:
 
     # -- construction -----------------------------------------------------------------
 
+    def _poison_freed_blocks(self, executor: Executor, transport: TierTransport | None) -> None:
+        """Every block a pool frees is overwritten with NaN by whoever holds its KV."""
+        self.kv.device.on_free = executor.poison_blocks
+        host = self.kv.pools.get(Tier.HOST)
+        if host is not None and transport is not None:
+            host.on_free = transport.poison_host
+
     def _make_offload(self, transport: TierTransport | None) -> OffloadManager:
         cfg = self.config
         disk = sessions = None
         if cfg.disk_dir is not None and transport is not None:
             from kvpilot.store import DiskBlockStore, SessionStore
 
-            disk = DiskBlockStore(Path(cfg.disk_dir), cfg.disk_kv_blocks, transport.block_bytes)
-            sessions = SessionStore(Path(cfg.disk_dir))
+            model = self.executor.fingerprint
+            disk = DiskBlockStore(
+                Path(cfg.disk_dir), cfg.disk_kv_blocks, transport.block_bytes, model=model
+            )
+            sessions = SessionStore(Path(cfg.disk_dir), model=model)
         return OffloadManager(
             self.kv,
             make_pause_policy(cfg.pause_policy, ttl_s=cfg.pause_ttl_s),

@@ -22,6 +22,7 @@ class KVConfig:
     num_device_blocks: int
     num_host_blocks: int = 0
     num_disk_blocks: int = 0
+    model_fingerprint: bytes = b""  # seeds the chained block hashes (memory.hashing)
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -50,7 +51,7 @@ class KVManager:
             tier: BlockPool(n, tier) for tier, n in sizes.items() if n > 0
         }
         self.device = self.pools[Tier.DEVICE]
-        self.radix = RadixCache(config.block_size, self.pools, clock)
+        self.radix = RadixCache(config.block_size, self.pools, clock, config.model_fingerprint)
         self.trajectories: dict[int, Trajectory] = {}
         # References held by copies in flight (tier moves): counted by check_invariants.
         self.pins: dict[Tier, Counter[int]] = {tier: Counter() for tier in self.pools}

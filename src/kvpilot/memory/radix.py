@@ -57,12 +57,14 @@ class RadixCache:
         block_size: int,
         pools: Mapping[Tier, BlockPool],
         clock: Callable[[], float] | None = None,
+        model: bytes = b"",
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if Tier.DEVICE not in pools:
             raise ValueError("RadixCache needs a device pool")
         self.block_size = block_size
+        self.model = model  # the model fingerprint seeding every root's hash
         self.pools = dict(pools)
         self.stats = RadixStats()
         self._clock = clock if clock is not None else _counter_clock()
@@ -78,7 +80,7 @@ class RadixCache:
     def root(self, salt: str | None = None) -> RadixNode:
         node = self._roots.get(salt)
         if node is None:
-            node = RadixNode(None, array("i"), {}, root_hash(salt), self._clock())
+            node = RadixNode(None, array("i"), {}, root_hash(salt, self.model), self._clock())
             self._roots[salt] = node
         return node
 
@@ -484,7 +486,10 @@ class RadixCache:
         for salt, root in self._roots.items():
             _require(root.is_root and root.parent is None, f"root of salt {salt!r} is malformed")
             _require(not root.blocks and not root.hashes, "a root must hold no blocks")
-            _require(root.last_hash() == root_hash(salt), f"root seed of salt {salt!r} is wrong")
+            _require(
+                root.last_hash() == root_hash(salt, self.model),
+                f"root seed of salt {salt!r} is wrong",
+            )
             stack = [root]
             while stack:
                 node = stack.pop()

@@ -4,7 +4,11 @@ A backend first `prepare`s a step (masks, gather indices: once per step, shared 
 layers), then for each layer writes the step's new K/V into their slots and attends:
 
 - decodes (one query each) are batched: their blocks are gathered into a padded
-  [n, max_blocks * B] context with a length mask, one SDPA call for all of them;
+  [n, max_blocks * B] context with a length mask, one SDPA call for all of them; the
+  gathered slots past each context (its last block's unwritten tail, padding blocks) may
+  hold anything, NaN included (freed blocks are poisoned in tests), so they are zeroed
+  (from the shortest context on): a masked score still multiplies its value by 0, and
+  0 * NaN is NaN;
 - a prefill chunk attends to its cached prefix, read through its block table, plus itself
   causally (query i of a chunk starting at s sees keys 0 .. s + i).
 
@@ -58,6 +62,10 @@ class _ChunkPlan:
 @dataclass(frozen=True, slots=True)
 class _TorchStepState:
     decode_masks: dict[int | None, torch.Tensor]  # [n_dec, 1, 1, max_blocks * B]
+    # Gathered slots that may lie past a decode's context: from column outside_from on,
+    # outside[:, j] says which ([n_dec, width - outside_from, 1, 1]).
+    outside_from: int
+    outside: torch.Tensor | None
     chunks: tuple[_ChunkPlan, ...]
 
 
@@ -69,11 +77,15 @@ class TorchAttention(AttentionBackend):
     def prepare(self, batch: StepBatch, windows: Iterable[int | None]) -> _TorchStepState:
         windows = tuple(dict.fromkeys(windows))
         decode_masks: dict[int | None, torch.Tensor] = {}
+        outside, outside_from = None, 0
         if batch.num_decodes:
             width = batch.decode_block_tables.shape[1] * batch.block_size
             keys = torch.arange(width, device=batch.positions.device)[None, :]
             query = batch.decode_positions[:, None]
             visible = keys <= query
+            if not query.is_cuda:  # the shortest context, without a device sync on CUDA
+                outside_from = int(query.min()) + 1
+            outside = ~visible[:, outside_from:, None, None]
             for window in windows:
                 mask = visible if window is None else visible & (keys > query - window)
                 decode_masks[window] = mask[:, None, None, :]
@@ -92,7 +104,7 @@ class TorchAttention(AttentionBackend):
                     mask = mask & (keys > query - window)
                 masks[window] = mask[None, None]
             chunks.append(_ChunkPlan(masks))
-        return _TorchStepState(decode_masks, tuple(chunks))
+        return _TorchStepState(decode_masks, outside_from, outside, tuple(chunks))
 
     def forward(
         self,
@@ -162,6 +174,10 @@ class TorchAttention(AttentionBackend):
         # index_select copies whole blocks; advanced indexing is ~5x slower on CPU.
         keys = key_cache.index_select(0, flat_tables).view(n, width, num_kv_heads, head_dim)
         values = value_cache.index_select(0, flat_tables).view(n, width, num_kv_heads, head_dim)
+        assert state.outside is not None
+        start = state.outside_from
+        keys[:, start:].masked_fill_(state.outside, 0.0)
+        values[:, start:].masked_fill_(state.outside, 0.0)
         keys, values = keys.transpose(1, 2), values.transpose(1, 2)
         # One query per sequence: the G query heads sharing a KV head ride in the
         # query-length dimension, so grouped-query attention needs no K/V expansion.

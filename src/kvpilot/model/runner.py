@@ -14,6 +14,7 @@ from kvpilot.errors import ConfigError
 from kvpilot.model.attention import make_attention_backend
 from kvpilot.model.batch import StepBatch
 from kvpilot.model.config import ModelConfig
+from kvpilot.model.fingerprint import model_fingerprint
 from kvpilot.model.kv_cache import KVCache, kv_bytes_per_block, num_blocks_for_memory
 from kvpilot.model.llama import LlamaModel
 from kvpilot.model.loader import LoadProgress, iter_weights, resolve_model_path
@@ -92,6 +93,7 @@ class ModelRunner:
         if progress is not None:
             progress.step("kv_pool")
         self.block_size = block_size
+        self.fingerprint = model_fingerprint(self.path, self.config, self.dtype, block_size)
         if num_blocks is None:
             num_blocks = num_blocks_for_memory(
                 self.config, kv_memory_bytes or self._default_kv_bytes(), block_size, self.dtype
@@ -196,3 +198,7 @@ class ModelRunner:
     @torch.inference_mode()
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         self.kv_cache.copy_blocks(pairs)
+
+    @torch.inference_mode()
+    def poison_blocks(self, blocks: Sequence[int]) -> None:
+        self.kv_cache.poison(blocks)

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from kvpilot.errors import ConfigError
-from kvpilot.model.kv_cache import KVCache
+from kvpilot.model.kv_cache import KVCache, poison_blocks
 
 
 class TorchTierTransport:
@@ -117,6 +117,11 @@ class TorchTierTransport:
             return time.perf_counter() - start
 
         return self._submit(write)
+
+    def poison_host(self, blocks: Sequence[int]) -> None:
+        # Freed host blocks have no copy in flight (copies pin their blocks until done).
+        if blocks:
+            poison_blocks(self.host, self._index(blocks, torch.device("cpu")))
 
     def close(self) -> None:
         self._copier.shutdown(wait=True)

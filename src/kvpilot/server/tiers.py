@@ -46,7 +46,8 @@ def session_residency(engine: Engine, session: Session) -> dict[str, Any]:
     disk = engine.offload.disk
     on_disk = 0
     if disk is not None and len(tokens) >= bs:
-        on_disk = sum(disk.contains(h) for h in chain_hashes(tokens, bs, traj.salt))
+        hashes = chain_hashes(tokens, bs, traj.salt, engine.kv.radix.model)
+        on_disk = sum(disk.contains(h) for h in hashes)
     return {
         "held_on_device": len(traj.block_table),
         "full_blocks": len(tokens) // bs,

@@ -71,6 +71,7 @@ class TimedExecutor:
         self.inner = inner
         self.block_size = inner.block_size
         self.num_blocks = inner.num_blocks
+        self.fingerprint = inner.fingerprint
         self.last_shape: BatchShape | None = None
 
     def execute(self, works: Sequence[SeqWork]) -> StepOutput:
@@ -79,6 +80,9 @@ class TimedExecutor:
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         self.inner.copy_blocks(pairs)
+
+    def poison_blocks(self, blocks: Sequence[int]) -> None:
+        self.inner.poison_blocks(blocks)
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from kvpilot.engine.clock import VirtualClock
 from kvpilot.engine.executor import SeqWork, StepOutput
 from kvpilot.errors import ConfigError
+from kvpilot.memory.hashing import ModelFingerprint
 from kvpilot.sim.cost_model import BatchShape, StepCostModel
 
 
@@ -42,6 +43,9 @@ class SimulatedRunner:
         self.clock = clock
         self.num_blocks = num_blocks
         self.block_size = block_size if block_size is not None else cost.block_size
+        self.fingerprint = ModelFingerprint.of(
+            f"simulated {cost.describe()}, block size {self.block_size}"
+        )
         self.vocab_size = vocab_size
         self.busy_s = 0.0
         self.steps = 0
@@ -81,6 +85,9 @@ class SimulatedRunner:
         self.recomputed_tokens += recomputed
         self.last_shape = shape
         return StepOutput(out)
+
+    def poison_blocks(self, blocks: Sequence[int]) -> None:
+        """Nothing to poison: simulated blocks hold no KV."""
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         if not pairs:
