@@ -34,7 +34,7 @@ class EngineConfig:
     max_model_len: int | None = None
     dtype: str = "float32"
     device: str = "cpu"
-    attention: str = "torch"
+    attention: str = "auto"
     seed: int = 0
     # Tiers and pauses: a host pool (blocks, or bytes), a disk tier in a folder, the policy.
     host_kv_blocks: int | None = None

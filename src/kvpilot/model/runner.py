@@ -70,7 +70,7 @@ class ModelRunner:
         block_size: int = 16,
         dtype: str = "float32",
         device: str = "cpu",
-        attention: str = "torch",
+        attention: str = "auto",
         cache_dir: Path | None = None,
         progress: LoadProgress | None = None,
     ) -> None:
@@ -80,9 +80,9 @@ class ModelRunner:
             raise ConfigError(f"block_size must be >= 1, got {block_size}")
         self.dtype = parse_dtype(dtype)
         self.device = parse_device(device)
-        self.attention = make_attention_backend(attention)
         self.path = resolve_model_path(model, cache_dir)
         self.config = ModelConfig.from_folder(self.path)
+        self.attention = make_attention_backend(attention, self.device, self.dtype)
         if progress is not None:
             progress.step("tokenizer")
         self.tokenizer: Any = load_tokenizer(self.path)
@@ -140,7 +140,7 @@ class ModelRunner:
             ids.extend(v for v in values if isinstance(v, int) and not isinstance(v, bool))
         return tuple(dict.fromkeys(ids))
 
-    def _batch(self, works: Sequence[SeqWork]) -> StepBatch:
+    def _batch(self, works: Sequence[SeqWork], wanted: Sequence[int]) -> StepBatch:
         return StepBatch.build(
             works,
             block_size=self.block_size,
@@ -148,19 +148,17 @@ class ModelRunner:
             vocab_size=self.config.vocab_size,
             max_model_len=self.max_model_len,
             device=self.device,
+            wanted=wanted,
         )
 
     def _run(self, works: Sequence[SeqWork], wanted: Sequence[int]) -> torch.Tensor | None:
         """Compute KV for all works; fp32 last-position logits of the works at ``wanted``."""
-        batch = self._batch(works)
-        self.model.rope.ensure(max(w.start_pos + len(w.token_ids) for w in works))
+        batch = self._batch(works, wanted)
+        self.model.rope.ensure(batch.max_context_len)
         hidden = self.model.forward(batch, self.kv_cache, self.attention)
         if not wanted:
             return None
-        rows = batch.last_token_index
-        if len(wanted) != len(works):
-            rows = rows.index_select(0, torch.tensor(list(wanted), device=self.device))
-        return self.model.logits(hidden.index_select(0, rows))
+        return self.model.logits(hidden.index_select(0, batch.logits_index))
 
     @torch.inference_mode()
     def compute_logits(self, works: Sequence[SeqWork]) -> dict[int, torch.Tensor]:

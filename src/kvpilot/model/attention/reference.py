@@ -1,7 +1,6 @@
-"""Attention over the paged KV pool: the backend interface and the pure-torch backend.
+"""The pure-torch reference backend: portable (CPU and CUDA), the one others are tested against.
 
-A backend first `prepare`s a step (masks, gather indices: once per step, shared by all
-layers), then for each layer writes the step's new K/V into their slots and attends:
+It gathers each step's contexts into dense tensors and calls SDPA:
 
 - decodes (one query each) are batched: their blocks are gathered into a padded
   [n, max_blocks * B] context with a length mask, one SDPA call for all of them; the
@@ -17,41 +16,15 @@ With a sliding window W, a query at position p also ignores keys at positions <=
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from kvpilot.errors import ConfigError
+from kvpilot.model.attention.base import AttentionBackend, write_kv
 from kvpilot.model.batch import StepBatch
 from kvpilot.model.kv_cache import KVCache
-
-
-class AttentionBackend(ABC):
-    name: str
-
-    @abstractmethod
-    def prepare(self, batch: StepBatch, windows: Iterable[int | None]) -> object:
-        """Per-step state for `forward` (built once, reused by every layer)."""
-
-    @abstractmethod
-    def forward(
-        self,
-        layer: int,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        cache: KVCache,
-        batch: StepBatch,
-        state: object,
-        window: int | None,
-    ) -> torch.Tensor:
-        """q [T, H, D], k/v [T, H_kv, D] (already rotated) -> attention output [T, H, D].
-
-        Writes k/v into ``cache`` at ``batch.slot_mapping`` before attending.
-        """
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,10 +91,7 @@ class TorchAttention(AttentionBackend):
         window: int | None,
     ) -> torch.Tensor:
         assert isinstance(state, _TorchStepState)
-        key_cache, value_cache = cache.keys(layer), cache.values(layer)
-        num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
-        key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, batch.slot_mapping, k)
-        value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, batch.slot_mapping, v)
+        key_cache, value_cache = write_kv(cache, layer, k, v, batch.slot_mapping)
 
         if batch.decode_token_index is None:
             return self._decode(q, key_cache, value_cache, batch, state, window)
@@ -192,14 +162,3 @@ def _gather_context(cache: torch.Tensor, block_ids: torch.Tensor, length: int) -
     """Positions 0 .. length - 1 of a sequence, [length, H_kv, D], through its block table."""
     num_kv_heads, head_dim = cache.shape[2], cache.shape[3]
     return cache.index_select(0, block_ids).view(-1, num_kv_heads, head_dim)[:length]
-
-
-ATTENTION_BACKENDS: dict[str, Callable[[], AttentionBackend]] = {"torch": TorchAttention}
-
-
-def make_attention_backend(name: str) -> AttentionBackend:
-    factory = ATTENTION_BACKENDS.get(name)
-    if factory is None:
-        available = ", ".join(sorted(ATTENTION_BACKENDS))
-        raise ConfigError(f"unknown attention backend {name!r}; available: {available}")
-    return factory()
