@@ -23,9 +23,13 @@
 #include <cstring>
 #include <vector>
 
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
 namespace {
 
-constexpr int KEY_CHUNK = 128;  // keys scored per online-softmax step
+constexpr int KEY_CHUNK = 64;  // keys scored per online-softmax step
 constexpr int MAX_ROWS = 32;    // query rows (tokens x group) per work item
 constexpr int MAX_HEAD_DIM = 256;
 
@@ -67,6 +71,154 @@ inline float exp_nonpositive(float x) {
     return p * scale;
 }
 
+// -- the inner loops: AVX2 + FMA where the compiler targets it, plain loops otherwise -----
+
+#if defined(__AVX2__) && defined(__FMA__)
+
+inline __m256 exp256_nonpositive(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i bits = _mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+// out[i] = dot(q, k_i) for four keys; D a multiple of 8.
+inline void dot4(const float* q, const float* k0, const float* k1, const float* k2,
+                 const float* k3, int64_t D, float* out) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int64_t d = 0; d < D; d += 8) {
+        const __m256 qv = _mm256_loadu_ps(q + d);
+        a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + d), a0);
+        a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k1 + d), a1);
+        a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k2 + d), a2);
+        a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k3 + d), a3);
+    }
+    const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
+}
+
+inline float dot1(const float* q, const float* k, int64_t D) {
+    __m256 a = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += 8)
+        a = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(k + d), a);
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    s = _mm_hadd_ps(s, s);
+    s = _mm_hadd_ps(s, s);
+    return _mm_cvtss_f32(s);
+}
+
+// acc += p * v over D (a multiple of 8).
+inline void axpy(float* acc, float p, const float* v, int64_t D) {
+    const __m256 pv = _mm256_set1_ps(p);
+    for (int64_t d = 0; d < D; d += 8)
+        _mm256_storeu_ps(acc + d,
+                         _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + d), _mm256_loadu_ps(acc + d)));
+}
+
+// p[j] = exp(s[j] - m) (0 where s[j] is -inf); returns the sum.
+inline float exp_row(float* s, int64_t n, float m) {
+    const __m256 mv = _mm256_set1_ps(m), ninf = _mm256_set1_ps(-INFINITY);
+    __m256 total = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+        const __m256 x = _mm256_loadu_ps(s + j);
+        __m256 e = exp256_nonpositive(_mm256_sub_ps(x, mv));
+        e = _mm256_andnot_ps(_mm256_cmp_ps(x, ninf, _CMP_EQ_OQ), e);
+        _mm256_storeu_ps(s + j, e);
+        total = _mm256_add_ps(total, e);
+    }
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(total), _mm256_extractf128_ps(total, 1));
+    h = _mm_hadd_ps(h, h);
+    h = _mm_hadd_ps(h, h);
+    float sum = _mm_cvtss_f32(h);
+    for (; j < n; ++j) {
+        s[j] = s[j] == -INFINITY ? 0.0f : exp_nonpositive(s[j] - m);
+        sum += s[j];
+    }
+    return sum;
+}
+constexpr bool kVector = true;
+#else
+inline void dot4(const float*, const float*, const float*, const float*, const float*, int64_t,
+                 float*) {}
+inline float dot1(const float*, const float*, int64_t) { return 0.0f; }
+inline void axpy(float*, float, const float*, int64_t) {}
+inline float exp_row(float*, int64_t, float) { return 0.0f; }
+constexpr bool kVector = false;
+#endif
+
+inline float dot_plain(const float* q, const float* k, int64_t D) {
+    float dot = 0.0f;
+    for (int64_t d = 0; d < D; ++d) dot += q[d] * k[d];
+    return dot;
+}
+
+// Pointers to the D floats of keys (or values) c0 .. c0 + n - 1 of one head, in place for a
+// float32 pool; bfloat16 rows are converted into ``buffer`` (KEY_CHUNK rows) first.
+inline void key_rows(const float* cache, const int64_t* table, int64_t c0, int64_t n,
+                     int64_t block_stride, int64_t token_stride, int64_t head_offset, int64_t B,
+                     int64_t, float (*)[MAX_HEAD_DIM], const float** rows) {
+    for (int64_t j = 0; j < n; ++j) {
+        const int64_t pos = c0 + j;
+        rows[j] = cache + table[pos / B] * block_stride + (pos % B) * token_stride + head_offset;
+    }
+}
+inline void key_rows(const uint16_t* cache, const int64_t* table, int64_t c0, int64_t n,
+                     int64_t block_stride, int64_t token_stride, int64_t head_offset, int64_t B,
+                     int64_t D, float (*buffer)[MAX_HEAD_DIM], const float** rows) {
+    for (int64_t j = 0; j < n; ++j) {
+        const int64_t pos = c0 + j;
+        const uint16_t* src =
+            cache + table[pos / B] * block_stride + (pos % B) * token_stride + head_offset;
+        for (int64_t d = 0; d < D; ++d) buffer[j][d] = load(src[d]);
+        rows[j] = buffer[j];
+    }
+}
+
+// acc[0 .. D) += sum_j p[j] * rows[j][0 .. D), 32 lanes of acc held in registers at a time.
+inline void accumulate(float* acc, const float* p, const float* const* rows, int64_t n,
+                       int64_t D) {
+#if defined(__AVX2__) && defined(__FMA__)
+    int64_t d = 0;
+    for (; d + 32 <= D; d += 32) {
+        __m256 a0 = _mm256_loadu_ps(acc + d), a1 = _mm256_loadu_ps(acc + d + 8);
+        __m256 a2 = _mm256_loadu_ps(acc + d + 16), a3 = _mm256_loadu_ps(acc + d + 24);
+        for (int64_t j = 0; j < n; ++j) {
+            const __m256 pv = _mm256_set1_ps(p[j]);
+            const float* v = rows[j] + d;
+            a0 = _mm256_fmadd_ps(pv, _mm256_loadu_ps(v), a0);
+            a1 = _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + 8), a1);
+            a2 = _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + 16), a2);
+            a3 = _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + 24), a3);
+        }
+        _mm256_storeu_ps(acc + d, a0);
+        _mm256_storeu_ps(acc + d + 8, a1);
+        _mm256_storeu_ps(acc + d + 16, a2);
+        _mm256_storeu_ps(acc + d + 24, a3);
+    }
+    for (; d < D; d += 8) {
+        __m256 a = _mm256_loadu_ps(acc + d);
+        for (int64_t j = 0; j < n; ++j)
+            a = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), _mm256_loadu_ps(rows[j] + d), a);
+        _mm256_storeu_ps(acc + d, a);
+    }
+#else
+    for (int64_t j = 0; j < n; ++j)
+        for (int64_t d = 0; d < D; ++d) acc[d] += p[j] * rows[j][d];
+#endif
+}
+
 struct Item {
     int64_t work, kv_head, tok_begin, tok_end;
 };
@@ -86,6 +238,7 @@ void attend(const Item& item, const T* q, const T* k_cache, const T* v_cache, T*
     alignas(64) float qf[MAX_ROWS][MAX_HEAD_DIM];
     alignas(64) float acc[MAX_ROWS][MAX_HEAD_DIM];
     alignas(64) float scores[MAX_ROWS][KEY_CHUNK];
+    alignas(64) float converted[sizeof(T) == sizeof(float) ? 1 : KEY_CHUNK][MAX_HEAD_DIM];
     float row_max[MAX_ROWS], row_sum[MAX_ROWS];
     int64_t lo[MAX_ROWS], hi[MAX_ROWS];
 
@@ -107,55 +260,59 @@ void attend(const Item& item, const T* q, const T* k_cache, const T* v_cache, T*
         (window > 0 && first_tok_pos - window + 1 > 0) ? first_tok_pos - window + 1 : 0;
     const int64_t key_end = last_pos + 1;
 
-    alignas(64) float kf[MAX_HEAD_DIM];
+    const bool vec = kVector && D % 8 == 0;
+    const float* rowp[KEY_CHUNK];
     for (int64_t c0 = key_begin; c0 < key_end; c0 += KEY_CHUNK) {
         const int64_t n = (key_end - c0 < KEY_CHUNK) ? key_end - c0 : KEY_CHUNK;
-        for (int64_t j = 0; j < n; ++j) {
-            const int64_t pos = c0 + j;
-            const T* kp = k_cache + table[pos / B] * block_stride + (pos % B) * token_stride +
-                          h * D;
-            for (int64_t d = 0; d < D; ++d) kf[d] = load(kp[d]);
-            for (int64_t r = 0; r < rows; ++r) {
-                float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-                for (int64_t d = 0; d < D; ++d) dot += qf[r][d] * kf[d];
-                scores[r][j] = (pos >= lo[r] && pos <= hi[r]) ? dot : -INFINITY;
+        key_rows(k_cache, table, c0, n, block_stride, token_stride, h * D, B, D, converted, rowp);
+        for (int64_t r = 0; r < rows; ++r) {
+            float* sr = scores[r];
+            int64_t j = 0;
+            if (vec) {
+                for (; j + 4 <= n; j += 4)
+                    dot4(qf[r], rowp[j], rowp[j + 1], rowp[j + 2], rowp[j + 3], D, sr + j);
+                for (; j < n; ++j) sr[j] = dot1(qf[r], rowp[j], D);
+            } else {
+                for (; j < n; ++j) sr[j] = dot_plain(qf[r], rowp[j], D);
+            }
+            if (c0 < lo[r] || c0 + n - 1 > hi[r]) {
+                for (j = 0; j < n; ++j)
+                    if (c0 + j < lo[r] || c0 + j > hi[r]) sr[j] = -INFINITY;
             }
         }
         for (int64_t r = 0; r < rows; ++r) {
+            float* sr = scores[r];
             float chunk_max = -INFINITY;
-            for (int64_t j = 0; j < n; ++j) chunk_max = scores[r][j] > chunk_max ? scores[r][j] : chunk_max;
+            for (int64_t j = 0; j < n; ++j) chunk_max = sr[j] > chunk_max ? sr[j] : chunk_max;
             if (chunk_max == -INFINITY) {
-                for (int64_t j = 0; j < n; ++j) scores[r][j] = 0.0f;
+                for (int64_t j = 0; j < n; ++j) sr[j] = 0.0f;
                 continue;
             }
             const float new_max = chunk_max > row_max[r] ? chunk_max : row_max[r];
             if (new_max > row_max[r] && row_max[r] != -INFINITY) {
                 const float alpha = exp_nonpositive(row_max[r] - new_max);
                 row_sum[r] *= alpha;
-#pragma omp simd
                 for (int64_t d = 0; d < D; ++d) acc[r][d] *= alpha;
             }
             row_max[r] = new_max;
             float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-            for (int64_t j = 0; j < n; ++j) {
-                const float s = scores[r][j];
-                const float p = s == -INFINITY ? 0.0f : exp_nonpositive(s - new_max);
-                scores[r][j] = p;
-                sum += p;
+            if (vec) {
+                sum = exp_row(sr, n, new_max);
+            } else {
+                for (int64_t j = 0; j < n; ++j) {
+                    sr[j] = sr[j] == -INFINITY ? 0.0f : exp_nonpositive(sr[j] - new_max);
+                    sum += sr[j];
+                }
             }
             row_sum[r] += sum;
         }
-        for (int64_t j = 0; j < n; ++j) {
-            const int64_t pos = c0 + j;
-            const T* vp = v_cache + table[pos / B] * block_stride + (pos % B) * token_stride +
-                          h * D;
-            for (int64_t d = 0; d < D; ++d) kf[d] = load(vp[d]);
-            for (int64_t r = 0; r < rows; ++r) {
-                const float p = scores[r][j];
-#pragma omp simd
-                for (int64_t d = 0; d < D; ++d) acc[r][d] += p * kf[d];
+        key_rows(v_cache, table, c0, n, block_stride, token_stride, h * D, B, D, converted, rowp);
+        for (int64_t r = 0; r < rows; ++r) {
+            if (vec) {
+                accumulate(acc[r], scores[r], rowp, n, D);
+            } else {
+                for (int64_t j = 0; j < n; ++j)
+                    for (int64_t d = 0; d < D; ++d) acc[r][d] += scores[r][j] * rowp[j][d];
             }
         }
     }
