@@ -86,7 +86,9 @@ def test_runner_logits_on_the_cpu_backend_equal_the_reference(
     assert isinstance(fast.attention, CpuPagedAttention)
     prompts = [[(7 * i + 3 * j) % 250 + 3 for j in range(n)] for i, n in enumerate((29, 41, 5, 17))]
     for runner in (ref, fast):  # cached prefixes of different lengths
-        runner.compute_logits(_works([p[:c] for p, c in zip(prompts, (20, 33, 4, 1))], [0] * 4))
+        runner.compute_logits(
+            _works([p[:c] for p, c in zip(prompts, (20, 33, 4, 1), strict=True)], [0] * 4)
+        )
     # mixed step: two prefill chunks over cached prefixes, two decodes
     step = _works(prompts, [20, 33, 4, 16])
     step[3] = SeqWork(3, prompts[3][1:2], 1, step[3].block_table)

@@ -75,7 +75,7 @@ def paged_attention(
     q = q.contiguous()
     out = torch.empty_like(q) if out is None else out
     _, num_heads, head_dim = q.shape
-    num_blocks, block_size, num_kv_heads, _ = key_cache.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
     status = library.kvpilot_paged_attention(
         code,
         q.data_ptr(),
