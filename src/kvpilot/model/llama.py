@@ -19,14 +19,8 @@ from kvpilot.model.attention import AttentionBackend
 from kvpilot.model.batch import StepBatch
 from kvpilot.model.config import ModelConfig
 from kvpilot.model.kv_cache import KVCache
-from kvpilot.model.rope import RopeTable, apply_rope
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim; ``weight`` is [d] or broadcastable per row (q/k heads)."""
-    if weight.dim() == 1:
-        return F.rms_norm(x, (x.shape[-1],), weight, eps)
-    return F.rms_norm(x, (x.shape[-1],), None, eps) * weight
+from kvpilot.model.layer_ops import rms_norm
+from kvpilot.model.rope import RopeTable
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,29 +73,28 @@ class LlamaModel:
         heads, kv_heads, head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         q_size, kv_size = heads * head_dim, kv_heads * head_dim
         eps = config.rms_norm_eps
+        ops = attention.ops
         state = attention.prepare(batch, self.windows)
-        cos, sin = self.rope.lookup(batch.positions)
-        hidden = F.embedding(batch.input_ids, self.embed)
+        rope = ops.rope_state(self.rope, batch.positions)
+        residual = F.embedding(batch.input_ids, self.embed)
+        delta: torch.Tensor | None = None  # the last MLP's output, not yet added
         for index, layer in enumerate(self.layers):
-            residual = hidden
-            x = rms_norm(hidden, layer.input_norm, eps)
+            x, residual = ops.add_rms_norm(delta, residual, layer.input_norm, eps)
             qkv = F.linear(x, layer.qkv, layer.qkv_bias)
             # q and k heads side by side: one norm and one rotation for both.
             qk = qkv[:, : q_size + kv_size].view(n_tokens, heads + kv_heads, head_dim)
             v = qkv[:, q_size + kv_size :].view(n_tokens, kv_heads, head_dim)
             if layer.qk_norm is not None:
                 qk = rms_norm(qk, layer.qk_norm, eps)
-            qk = apply_rope(qk, cos, sin)
+            qk = ops.rope(qk, rope)
             attended = attention.forward(
                 index, qk[:, :heads], qk[:, heads:], v, cache, batch, state, self.windows[index]
             )
             out = F.linear(attended.reshape(n_tokens, q_size), layer.o_proj, layer.o_bias)
-            hidden = residual + out
-            residual = hidden
-            x = rms_norm(hidden, layer.post_norm, eps)
-            gate, up = F.linear(x, layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)
-            hidden = residual + F.linear(F.silu(gate) * up, layer.down, layer.down_bias)
-        return hidden
+            x, residual = ops.add_rms_norm(out, residual, layer.post_norm, eps)
+            gate_up = F.linear(x, layer.gate_up, layer.gate_up_bias)
+            delta = F.linear(ops.silu_mul(gate_up), layer.down, layer.down_bias)
+        return residual if delta is None else residual + delta
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits [n, vocab] of the given rows of `forward`'s output."""

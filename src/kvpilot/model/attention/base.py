@@ -16,10 +16,12 @@ import torch
 
 from kvpilot.model.batch import StepBatch
 from kvpilot.model.kv_cache import KVCache
+from kvpilot.model.layer_ops import LayerOps
 
 
 class AttentionBackend(ABC):
     name: str
+    ops: LayerOps = LayerOps()  # the element-wise layer ops that go with this backend
 
     @abstractmethod
     def prepare(self, batch: StepBatch, windows: Iterable[int | None]) -> object:

@@ -2,8 +2,11 @@
 
 Every work (decodes and prefill chunks alike) goes to one kernel call per layer: each query
 walks its own sequence's block table, so no padded context is ever gathered. The kernel
-(`kvpilot/model/kernels/paged_attention.cpp`) is compiled on first use; see
+(`kvpilot/model/kernels/cpu_kernels.cpp`) is compiled on first use; see
 `kvpilot.model.kernels.build`. float32 and bfloat16 pools.
+
+The same library supplies the layer's element-wise ops fused (`CpuKernelOps`): residual add
++ RMSNorm in one pass, SiLU * up in one pass, RoPE in place (no concatenation).
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from kvpilot.errors import ConfigError
 from kvpilot.model.attention.base import AttentionBackend, write_kv
 from kvpilot.model.batch import StepBatch
 from kvpilot.model.kv_cache import KVCache
+from kvpilot.model.layer_ops import LayerOps
+from kvpilot.model.rope import RopeTable
 
 KERNEL_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
@@ -104,11 +109,92 @@ def paged_attention(
     return out
 
 
+def _check(status: int, what: str) -> None:
+    if status != 0:
+        raise ConfigError(f"the cpu kernel for {what} failed (status {status})")
+
+
+class CpuKernelOps(LayerOps):
+    """Fused element-wise ops in the C++ library (float32 and bfloat16, contiguous rows)."""
+
+    name = "cpu"
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self.library = library
+
+    def add_rms_norm(
+        self, x: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        code = KERNEL_DTYPES.get(residual.dtype)
+        if code is None or not residual.is_contiguous() or weight.dim() != 1:
+            return super().add_rms_norm(x, residual, weight, eps)
+        if x is not None:
+            x = x.contiguous()
+        out = torch.empty_like(residual)
+        rows, dim = residual.numel() // residual.shape[-1], residual.shape[-1]
+        status = self.library.kvpilot_add_rms_norm(
+            code,
+            None if x is None else x.data_ptr(),
+            residual.data_ptr(),
+            weight.data_ptr(),
+            out.data_ptr(),
+            rows,
+            dim,
+            eps,
+            torch.get_num_threads(),
+        )
+        _check(status, "add + RMSNorm")
+        return out, residual
+
+    def rope_state(self, rope: RopeTable, positions: torch.Tensor) -> object:
+        return rope, positions.contiguous()
+
+    def rope(self, qk: torch.Tensor, state: object) -> torch.Tensor:
+        table, positions = state  # type: ignore[misc]
+        code = KERNEL_DTYPES.get(qk.dtype)
+        if code is None or qk.stride(2) != 1 or qk.stride(1) != qk.shape[2]:
+            cos, sin = table.lookup(positions)
+            return super().rope(qk, (cos, sin))
+        tokens, heads, head_dim = qk.shape
+        status = self.library.kvpilot_rope(
+            code,
+            qk.data_ptr(),
+            positions.data_ptr(),
+            table.cos.data_ptr(),
+            table.sin.data_ptr(),
+            tokens,
+            heads,
+            head_dim,
+            qk.stride(0),
+            torch.get_num_threads(),
+        )
+        _check(status, "RoPE")
+        return qk
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        code = KERNEL_DTYPES.get(gate_up.dtype)
+        if code is None or not gate_up.is_contiguous():
+            return super().silu_mul(gate_up)
+        inter = gate_up.shape[-1] // 2
+        out = gate_up.new_empty((*gate_up.shape[:-1], inter))
+        status = self.library.kvpilot_silu_mul(
+            code,
+            gate_up.data_ptr(),
+            out.data_ptr(),
+            out.numel() // inter,
+            inter,
+            torch.get_num_threads(),
+        )
+        _check(status, "SiLU * mul")
+        return out
+
+
 class CpuPagedAttention(AttentionBackend):
     name = "cpu"
 
     def __init__(self, library: ctypes.CDLL) -> None:
         self.library = library
+        self.ops = CpuKernelOps(library)
 
     def prepare(self, batch: StepBatch, windows: Iterable[int | None]) -> WorkPointers:
         return WorkPointers.of(

@@ -1,4 +1,4 @@
-"""Building and loading the CPU attention kernel (``paged_attention.cpp``) on first use.
+"""Building and loading the CPU kernels (``cpu_kernels.cpp``) on first use.
 
 The source ships with the package; the shared library is compiled once per machine with the
 system's C++ compiler (``g++ -O3 -march=native -fopenmp``) into a cache folder keyed by the
@@ -23,10 +23,20 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-SOURCE = Path(__file__).with_name("paged_attention.cpp")
+SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 DEFAULT_KERNEL_CACHE = Path("~/.cache/kvpilot/kernels")
-ABI_VERSION = 1
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++17")
+ABI_VERSION = 2
+# -ffp-contract=off: element-wise ops round like torch's (no implicit FMA); the attention
+# loops use explicit FMA intrinsics.
+FLAGS = (
+    "-O3",
+    "-march=native",
+    "-ffp-contract=off",
+    "-fopenmp",
+    "-fPIC",
+    "-shared",
+    "-std=c++17",
+)
 BUILD_TIMEOUT_S = 300.0
 
 
@@ -100,7 +110,17 @@ def _bind(library: ctypes.CDLL) -> None:
         ctypes.c_float,  # scale
         ctypes.c_int,  # threads
     ]
-    library.kvpilot_kernel_abi_version.restype = ctypes.c_int
+    i64, f32, i32 = ctypes.c_int64, ctypes.c_float, ctypes.c_int
+    norm = library.kvpilot_add_rms_norm
+    norm.restype = i32
+    norm.argtypes = [i32, ptr, ptr, ptr, ptr, i64, i64, f32, i32]
+    silu = library.kvpilot_silu_mul
+    silu.restype = i32
+    silu.argtypes = [i32, ptr, ptr, i64, i64, i32]
+    rope = library.kvpilot_rope
+    rope.restype = i32
+    rope.argtypes = [i32, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32]
+    library.kvpilot_kernel_abi_version.restype = i32
 
 
 def _build(target: Path, compiler: str) -> None:
@@ -135,7 +155,7 @@ def _load(root: Path) -> KernelLoad:
     compiler = _compiler()
     if compiler is None:
         return KernelLoad(None, "no C++ compiler (g++, c++ or clang++) on PATH")
-    target = root / _cache_key(compiler) / "libkvpilot_paged_attention.so"
+    target = root / _cache_key(compiler) / "libkvpilot_cpu_kernels.so"
     try:
         if not target.is_file():
             _build(target, compiler)

@@ -1,4 +1,4 @@
-// Paged attention on the CPU: every query reads its keys and values in place through its
+// CPU kernels of kvpilot's fast CPU path. Paged attention: every query reads its keys and values in place through its
 // sequence's block table (no gathered copy of the context), with an online softmax over
 // chunks of keys (flash-attention style), grouped-query heads and sliding windows.
 //
@@ -351,6 +351,78 @@ int run(const void* q, const void* k_cache, const void* v_cache, void* out,
     return 0;
 }
 
+// -- element-wise layer ops, fused: residual add + RMSNorm, SiLU * mul, in-place RoPE -------
+
+constexpr int64_t PARALLEL_MIN_ELEMENTS = 1 << 15;  // below this one thread is faster
+
+template <typename T>
+void add_rms_norm(const T* x, T* residual, const T* weight, T* out, int64_t rows, int64_t dim,
+                  float eps, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (rows * dim >= PARALLEL_MIN_ELEMENTS)
+    for (int64_t r = 0; r < rows; ++r) {
+        T* res = residual + r * dim;
+        float sum = 0.0f;
+        if (x != nullptr) {
+            const T* xr = x + r * dim;
+            for (int64_t d = 0; d < dim; ++d) {
+                // the sum is rounded to the model dtype, as the unfused add would
+                T v;
+                store(&v, load(res[d]) + load(xr[d]));
+                res[d] = v;
+            }
+        }
+        for (int64_t d = 0; d < dim; ++d) sum += load(res[d]) * load(res[d]);
+        const float inv = 1.0f / std::sqrt(sum / float(dim) + eps);
+        T* o = out + r * dim;
+        for (int64_t d = 0; d < dim; ++d) store(o + d, load(weight[d]) * (load(res[d]) * inv));
+    }
+}
+
+template <typename T>
+void silu_mul(const T* gate_up, T* out, int64_t rows, int64_t inter, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (rows * inter >= PARALLEL_MIN_ELEMENTS)
+    for (int64_t r = 0; r < rows; ++r) {
+        const T* g = gate_up + r * 2 * inter;
+        const T* u = g + inter;
+        T* o = out + r * inter;
+        for (int64_t i = 0; i < inter; ++i) {
+            const float gv = load(g[i]);
+            // silu rounds to the model dtype before the product, as F.silu(g) * u does
+            T act;
+            store(&act, gv / (1.0f + std::exp(-gv)));
+            store(o + i, load(act) * load(u[i]));
+        }
+    }
+}
+
+// x [T, heads, D] (row stride row_stride elements) rotated in place by the half-split
+// convention: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin). cos/sin tables hold D columns
+// per position: cos in the first half, sin (positive) in the second.
+template <typename T>
+void rope(T* x, const int64_t* positions, const T* cos_table, const T* sin_table, int64_t tokens,
+          int64_t heads, int64_t D, int64_t row_stride, int num_threads) {
+    const int64_t half = D / 2;
+#pragma omp parallel for num_threads(num_threads) if (tokens * heads * D >= PARALLEL_MIN_ELEMENTS)
+    for (int64_t t = 0; t < tokens; ++t) {
+        const T* c = cos_table + positions[t] * D;
+        const T* s = sin_table + positions[t] * D + half;
+        for (int64_t h = 0; h < heads; ++h) {
+            T* v = x + t * row_stride + h * D;
+            for (int64_t i = 0; i < half; ++i) {
+                const float x1 = load(v[i]), x2 = load(v[half + i]);
+                const float ci = load(c[i]), si = load(s[i]);
+                T a, b, e, f;  // each product rounds to the model dtype, as in transformers
+                store(&a, x1 * ci);
+                store(&b, x2 * si);
+                store(&e, x2 * ci);
+                store(&f, x1 * si);
+                store(v + i, load(a) - load(b));
+                store(v + half + i, load(e) + load(f));
+            }
+        }
+    }
+}
+
 }  // namespace
 
 extern "C" {
@@ -372,5 +444,51 @@ int kvpilot_paged_attention(int dtype, const void* q, const void* k_cache, const
     return 3;
 }
 
-int kvpilot_kernel_abi_version() { return 1; }
+int kvpilot_add_rms_norm(int dtype, const void* x, void* residual, const void* weight, void* out,
+                         int64_t rows, int64_t dim, float eps, int num_threads) {
+    if (dtype == 0)
+        add_rms_norm<float>(static_cast<const float*>(x), static_cast<float*>(residual),
+                            static_cast<const float*>(weight), static_cast<float*>(out), rows,
+                            dim, eps, num_threads);
+    else if (dtype == 1)
+        add_rms_norm<uint16_t>(static_cast<const uint16_t*>(x), static_cast<uint16_t*>(residual),
+                               static_cast<const uint16_t*>(weight), static_cast<uint16_t*>(out),
+                               rows, dim, eps, num_threads);
+    else
+        return 3;
+    return 0;
+}
+
+int kvpilot_silu_mul(int dtype, const void* gate_up, void* out, int64_t rows, int64_t inter,
+                     int num_threads) {
+    if (dtype == 0)
+        silu_mul<float>(static_cast<const float*>(gate_up), static_cast<float*>(out), rows, inter,
+                        num_threads);
+    else if (dtype == 1)
+        silu_mul<uint16_t>(static_cast<const uint16_t*>(gate_up), static_cast<uint16_t*>(out),
+                           rows, inter, num_threads);
+    else
+        return 3;
+    return 0;
+}
+
+int kvpilot_rope(int dtype, void* x, const int64_t* positions, const void* cos_table,
+                 const void* sin_table, int64_t tokens, int64_t heads, int64_t D,
+                 int64_t row_stride, int num_threads) {
+    if (D % 2 != 0) return 1;
+    if (dtype == 0)
+        rope<float>(static_cast<float*>(x), positions, static_cast<const float*>(cos_table),
+                    static_cast<const float*>(sin_table), tokens, heads, D, row_stride,
+                    num_threads);
+    else if (dtype == 1)
+        rope<uint16_t>(static_cast<uint16_t*>(x), positions,
+                       static_cast<const uint16_t*>(cos_table),
+                       static_cast<const uint16_t*>(sin_table), tokens, heads, D, row_stride,
+                       num_threads);
+    else
+        return 3;
+    return 0;
+}
+
+int kvpilot_kernel_abi_version() { return 2; }
 }
