@@ -143,7 +143,8 @@ def test_the_built_kernel_is_reused_from_its_cache(
     assert again.path == first.path
 
 
-def test_unsupported_choices_are_config_errors() -> None:
+def test_unsupported_choices_are_config_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ConfigError, match="unknown attention backend"):
         make_attention_backend("flash")
     with pytest.raises(ConfigError, match="float32 or bfloat16"):
