@@ -43,6 +43,8 @@ class ServeOptions:
     device: str | None = None
     dtype: str | None = None
     poison_freed_blocks: bool = False
+    attention: str | None = None
+    gpu_memory_utilization: float | None = None
     limits: ServerLimits = dataclasses.field(default_factory=_default_limits)
 
     def __post_init__(self) -> None:
@@ -76,6 +78,8 @@ def engine_options(options: ServeOptions) -> dict[str, Any]:
         "max_num_seqs": options.max_num_seqs,
         "device": options.device,
         "dtype": options.dtype,
+        "attention": options.attention,
+        "gpu_memory_utilization": options.gpu_memory_utilization,
         "host_memory_bytes": options.host_memory_bytes,
         "disk_dir": str(options.disk_dir) if options.disk_dir is not None else None,
         "disk_kv_blocks": options.disk_blocks,
@@ -138,7 +142,16 @@ def serve(
     max_num_seqs: Annotated[int | None, typer.Option(help="Most sequences in a batch.")] = None,
     device: Annotated[str | None, typer.Option(help="cpu or cuda (default cpu).")] = None,
     dtype: Annotated[
-        str | None, typer.Option(help="float32, bfloat16 or float16 (default float32).")
+        str | None,
+        typer.Option(help="auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16, float16."),
+    ] = None,
+    attention: Annotated[
+        str | None,
+        typer.Option(help="Attention backend: auto (default), torch, cpu, triton."),
+    ] = None,
+    gpu_memory_utilization: Annotated[
+        float | None,
+        typer.Option(help="Share of GPU memory to use when no --kv-memory/--kv-blocks (0.9)."),
     ] = None,
     max_tokens_limit: Annotated[
         int, typer.Option(help="Largest max_tokens a request may ask for.")
@@ -183,6 +196,8 @@ def serve(
             device=device,
             dtype=dtype,
             poison_freed_blocks=poison_freed_blocks,
+            attention=attention,
+            gpu_memory_utilization=gpu_memory_utilization,
             limits=ServerLimits(
                 max_tokens_limit=max_tokens_limit,
                 max_n=max_n,

@@ -32,9 +32,11 @@ class EngineConfig:
     tau_high: float = 0.9
     enable_prefix_caching: bool = True
     max_model_len: int | None = None
-    dtype: str = "float32"
+    dtype: str = "auto"  # bfloat16 on CUDA, float32 on CPU
     device: str = "cpu"
-    attention: str = "auto"
+    attention: str = "auto"  # auto, torch, cpu, triton (kvpilot.model.attention)
+    gpu_memory_utilization: float = 0.9  # sizes the KV pool when no kv_blocks/kv_memory_bytes
+    cuda_graphs: bool = True
     seed: int = 0
     # Tiers and pauses: a host pool (blocks, or bytes), a disk tier in a folder, the policy.
     host_kv_blocks: int | None = None
@@ -56,6 +58,10 @@ class EngineConfig:
             raise ConfigError(f"tau_high must be in (0, 1], got {self.tau_high}")
         if self.max_num_seqs < 1:
             raise ConfigError("max_num_seqs must be positive")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
         if self.kv_blocks is not None and self.kv_blocks < 1:
             raise ConfigError("kv_blocks must be positive")
         if (self.host_kv_blocks or 0) < 0 or (self.host_memory_bytes or 0) < 0:

@@ -133,17 +133,16 @@ class Engine:
         cache_dir = options.pop("cache_dir", None)
         load_progress = options.pop("load_progress", None)  # a model.loader.LoadProgress
         config = EngineConfig.from_kwargs(**options)
-        kv_memory = config.kv_memory_bytes
-        if config.kv_blocks is None and kv_memory is None:
-            kv_memory = 1 << 30
         runner = ModelRunner(
             model,
             num_blocks=config.kv_blocks,
-            kv_memory_bytes=None if config.kv_blocks is not None else kv_memory,
+            kv_memory_bytes=None if config.kv_blocks is not None else config.kv_memory_bytes,
             block_size=config.block_size,
             dtype=config.dtype,
             device=config.device,
             attention=config.attention,
+            gpu_memory_utilization=config.gpu_memory_utilization,
+            cuda_graphs=config.cuda_graphs,
             cache_dir=cache_dir,
             progress=load_progress,
         )

@@ -64,17 +64,18 @@ class LoadProgress(Protocol):
 
 
 def iter_weights(
-    folder: Path, progress: LoadProgress | None = None
+    folder: Path, progress: LoadProgress | None = None, device: torch.device | str = "cpu"
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, CPU tensor) for every tensor of every safetensors file of the checkpoint."""
+    """(name, tensor) for every tensor of every safetensors file, read straight onto ``device``."""
     from safetensors import SafetensorError, safe_open
 
+    target = str(torch.device(device))
     files = weight_files(folder)
     total = sum(path.stat().st_size for path in files)
     done = 0
     for path in files:
         try:
-            with safe_open(str(path), framework="pt", device="cpu") as handle:
+            with safe_open(str(path), framework="pt", device=target) as handle:
                 for name in handle.keys():  # noqa: SIM118 - safe_open handles are not mappings
                     tensor = handle.get_tensor(name)
                     if progress is not None:
