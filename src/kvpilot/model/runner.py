@@ -14,6 +14,7 @@ from kvpilot.errors import ConfigError
 from kvpilot.model.attention import make_attention_backend
 from kvpilot.model.batch import StepBatch
 from kvpilot.model.config import ModelConfig
+from kvpilot.model.cuda_graphs import DecodeGraphs
 from kvpilot.model.fingerprint import model_fingerprint
 from kvpilot.model.kv_cache import KVCache, kv_bytes_per_block, num_blocks_for_memory
 from kvpilot.model.llama import LlamaModel
@@ -34,6 +35,7 @@ DTYPES = {
     "float16": torch.float16,
     "fp16": torch.float16,
 }
+MAX_GRAPH_BATCH = 128  # larger decode batches run eagerly
 
 
 def parse_dtype(name: str, device: torch.device | None = None) -> torch.dtype:
@@ -116,6 +118,16 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.max_model_len = min(self.config.max_position_embeddings, num_blocks * block_size)
         self.model.rope.ensure(min(self.max_model_len, 4096))
+        self.decode_graphs: DecodeGraphs | None = None
+        if graphs:
+            self.decode_graphs = DecodeGraphs(
+                self.model,
+                self.kv_cache,
+                self.attention,
+                pad_block=num_blocks,
+                max_batch=MAX_GRAPH_BATCH,
+                max_model_len=self.max_model_len,
+            )
         self.eos_token_ids = self._eos_ids()
         self.sampler = Sampler()
 
@@ -166,6 +178,11 @@ class ModelRunner:
 
     def _run(self, works: Sequence[SeqWork], wanted: Sequence[int]) -> torch.Tensor | None:
         """Compute KV for all works; fp32 last-position logits of the works at ``wanted``."""
+        if self.decode_graphs is not None and self.decode_graphs.handles(works):
+            logits = self.decode_graphs.run(works)
+            if len(wanted) == len(works):
+                return logits
+            return logits[torch.tensor(list(wanted), device=self.device)] if wanted else None
         batch = self._batch(works, wanted)
         self.model.rope.ensure(batch.max_context_len)
         hidden = self.model.forward(batch, self.kv_cache, self.attention)
