@@ -1,6 +1,7 @@
 """The element-wise ops of a decoder layer, in plain torch (the reference) or fused kernels.
 
-Per layer: residual add + RMSNorm (twice), RoPE on q and k, SiLU(gate) * up. The torch
+Per layer: residual add + RMSNorm (twice), RoPE on q and k, SiLU(gate) * up, and the
+linear layers (whose weights a backend may repack once at load time). The torch
 versions follow transformers' op order (RoPE bit-identical to it); a backend may supply
 fused versions (`kvpilot.model.attention.cpu.CpuKernelOps`: one pass each, RoPE in place
 without concatenation) that agree with these to rounding.
@@ -42,6 +43,15 @@ class LayerOps:
         """q and k heads [T, heads, D] rotated (a new tensor, or ``qk`` rotated in place)."""
         cos, sin = state  # type: ignore[misc]
         return apply_rope(qk, cos, sin)
+
+    def prepare_linear(self, weight: torch.Tensor) -> torch.Tensor:
+        """The form of a [out, in] weight that `linear` takes (here: the weight itself)."""
+        return weight
+
+    def linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return F.linear(x, weight, bias)
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """SiLU(gate) * up of the fused [T, 2 * inter] projection."""

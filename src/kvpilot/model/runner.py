@@ -102,7 +102,9 @@ class ModelRunner:
         if progress is not None:
             progress.step("weights")
         weights = iter_weights(self.path, progress, self.device)
-        self.model = LlamaModel(self.config, weights, self.device, self.dtype)
+        self.model = LlamaModel(
+            self.config, weights, self.device, self.dtype, ops=self.attention.ops
+        )
         if progress is not None:
             progress.step("kv_pool")
         self.block_size = block_size
