@@ -22,12 +22,14 @@ import torch
 
 from kvpilot.errors import ConfigError
 from kvpilot.model.attention.base import AttentionBackend, write_kv
-from kvpilot.model.batch import StepBatch
+from kvpilot.model.attention.reference import ChunkPlan, attend_chunk
+from kvpilot.model.batch import PrefillChunk, StepBatch
 from kvpilot.model.kv_cache import KVCache
 from kvpilot.model.layer_ops import LayerOps
 from kvpilot.model.rope import RopeTable
 
 KERNEL_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+SDPA_MIN_TOKENS = 64  # prefill chunks at least this long go to SDPA (measured crossover)
 PACK_BATCH_HINT = 32  # oneDNN picks the packed layout for this many rows; any count works
 
 
@@ -214,17 +216,48 @@ class CpuKernelOps(LayerOps):
         return out
 
 
+@dataclass(frozen=True, slots=True)
+class CpuStep:
+    kernel: WorkPointers | None  # decodes and short chunks
+    long_chunks: tuple[tuple[PrefillChunk, ChunkPlan], ...]  # to SDPA
+
+
 class CpuPagedAttention(AttentionBackend):
+    """Decodes and short chunks in the kernel; long prefill chunks on SDPA.
+
+    A chunk of at least `SDPA_MIN_TOKENS` queries amortises one gather of its context over
+    all of them, and SDPA's blocked GEMMs beat the kernel's per-row dot products there (a
+    fresh prompt needs no gather at all); see benchmarks/bench_attention.py.
+    """
+
     name = "cpu"
 
     def __init__(self, library: ctypes.CDLL) -> None:
         self.library = library
         self.ops = CpuKernelOps(library)
 
-    def prepare(self, batch: StepBatch, windows: Iterable[int | None]) -> WorkPointers:
-        return WorkPointers.of(
-            batch.query_start, batch.query_len, batch.context_len, batch.block_tables
-        )
+    def prepare(self, batch: StepBatch, windows: Iterable[int | None]) -> CpuStep:
+        long = tuple(c for c in batch.prefills if c.num_tokens >= SDPA_MIN_TOKENS)
+        if not long:
+            return CpuStep(
+                WorkPointers.of(
+                    batch.query_start, batch.query_len, batch.context_len, batch.block_tables
+                ),
+                (),
+            )
+        windows = tuple(dict.fromkeys(windows))
+        device = batch.positions.device
+        plans = tuple((c, ChunkPlan.of(c, windows, device)) for c in long)
+        short = batch.query_len < SDPA_MIN_TOKENS
+        kernel = None
+        if bool(short.any()):
+            kernel = WorkPointers.of(
+                batch.query_start[short],
+                batch.query_len[short],
+                batch.context_len[short],
+                batch.block_tables[short],
+            )
+        return CpuStep(kernel, plans)
 
     def forward(
         self,
@@ -237,6 +270,12 @@ class CpuPagedAttention(AttentionBackend):
         state: object,
         window: int | None,
     ) -> torch.Tensor:
-        assert isinstance(state, WorkPointers)
+        assert isinstance(state, CpuStep)
         key_cache, value_cache = write_kv(cache, layer, k, v, batch.slot_mapping)
-        return paged_attention(self.library, q, key_cache, value_cache, state, window)
+        q = q.contiguous()
+        out = torch.empty_like(q)
+        if state.kernel is not None:
+            paged_attention(self.library, q, key_cache, value_cache, state.kernel, window, out)
+        for chunk, plan in state.long_chunks:
+            attend_chunk(out, q, k, v, key_cache, value_cache, chunk, plan.masks[window])
+        return out

@@ -23,13 +23,64 @@ import torch
 import torch.nn.functional as F
 
 from kvpilot.model.attention.base import AttentionBackend, write_kv
-from kvpilot.model.batch import StepBatch
+from kvpilot.model.batch import PrefillChunk, StepBatch
 from kvpilot.model.kv_cache import KVCache
 
 
 @dataclass(frozen=True, slots=True)
-class _ChunkPlan:
+class ChunkPlan:
     masks: dict[int | None, torch.Tensor | None]  # None mask: plain causal over fresh K/V
+
+    @classmethod
+    def of(
+        cls, chunk: PrefillChunk, windows: Iterable[int | None], device: torch.device
+    ) -> ChunkPlan:
+        masks: dict[int | None, torch.Tensor | None] = {}
+        query = torch.arange(chunk.start_pos, chunk.context_len, device=device)[:, None]
+        keys = torch.arange(chunk.context_len, device=device)[None, :]
+        for window in windows:
+            if window is None and chunk.start_pos == 0:
+                masks[window] = None
+                continue
+            mask = keys <= query
+            if window is not None:
+                mask = mask & (keys > query - window)
+            masks[window] = mask[None, None]
+        return cls(masks)
+
+
+def attend_chunk(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    chunk: PrefillChunk,
+    mask: torch.Tensor | None,
+) -> None:
+    """Rows of one prefill chunk into ``out``: SDPA over its context (gathered once)."""
+    rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
+    if mask is None:
+        chunk_k, chunk_v = k[rows], v[rows]
+    else:
+        chunk_k = _gather_context(key_cache, chunk.block_ids, chunk.context_len)
+        chunk_v = _gather_context(value_cache, chunk.block_ids, chunk.context_len)
+    groups = q.shape[1] // chunk_k.shape[1]
+    expand = mask is not None and q.is_cuda and groups > 1
+    if expand:
+        # CUDA kernels that take a mask do not take grouped K/V: expand heads.
+        chunk_k = chunk_k.repeat_interleave(groups, dim=1)
+        chunk_v = chunk_v.repeat_interleave(groups, dim=1)
+    attended = F.scaled_dot_product_attention(
+        q[rows].transpose(0, 1).unsqueeze(0),
+        chunk_k.transpose(0, 1).unsqueeze(0),
+        chunk_v.transpose(0, 1).unsqueeze(0),
+        attn_mask=mask,
+        is_causal=mask is None,
+        enable_gqa=not expand,
+    )
+    out[rows] = attended[0].transpose(0, 1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,7 +90,7 @@ class _TorchStepState:
     # outside[:, j] says which ([n_dec, width - outside_from, 1, 1]).
     outside_from: int
     outside: torch.Tensor | None
-    chunks: tuple[_ChunkPlan, ...]
+    chunks: tuple[ChunkPlan, ...]
 
 
 class TorchAttention(AttentionBackend):
@@ -62,22 +113,9 @@ class TorchAttention(AttentionBackend):
             for window in windows:
                 mask = visible if window is None else visible & (keys > query - window)
                 decode_masks[window] = mask[:, None, None, :]
-        chunks = []
-        for chunk in batch.prefills:
-            masks: dict[int | None, torch.Tensor | None] = {}
-            device = batch.positions.device
-            query = torch.arange(chunk.start_pos, chunk.context_len, device=device)[:, None]
-            keys = torch.arange(chunk.context_len, device=device)[None, :]
-            for window in windows:
-                if window is None and chunk.start_pos == 0:
-                    masks[window] = None
-                    continue
-                mask = keys <= query
-                if window is not None:
-                    mask = mask & (keys > query - window)
-                masks[window] = mask[None, None]
-            chunks.append(_ChunkPlan(masks))
-        return _TorchStepState(decode_masks, outside_from, outside, tuple(chunks))
+        device = batch.positions.device
+        chunks = tuple(ChunkPlan.of(chunk, windows, device) for chunk in batch.prefills)
+        return _TorchStepState(decode_masks, outside_from, outside, chunks)
 
     def forward(
         self,
@@ -103,28 +141,7 @@ class TorchAttention(AttentionBackend):
             )
             out.index_copy_(0, index, decoded)
         for chunk, plan in zip(batch.prefills, state.chunks, strict=True):
-            rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
-            mask = plan.masks[window]
-            if mask is None:
-                chunk_k, chunk_v = k[rows], v[rows]
-            else:
-                chunk_k = _gather_context(key_cache, chunk.block_ids, chunk.context_len)
-                chunk_v = _gather_context(value_cache, chunk.block_ids, chunk.context_len)
-            groups = q.shape[1] // chunk_k.shape[1]
-            expand = mask is not None and q.is_cuda and groups > 1
-            if expand:
-                # CUDA kernels that take a mask do not take grouped K/V: expand heads.
-                chunk_k = chunk_k.repeat_interleave(groups, dim=1)
-                chunk_v = chunk_v.repeat_interleave(groups, dim=1)
-            attended = F.scaled_dot_product_attention(
-                q[rows].transpose(0, 1).unsqueeze(0),
-                chunk_k.transpose(0, 1).unsqueeze(0),
-                chunk_v.transpose(0, 1).unsqueeze(0),
-                attn_mask=mask,
-                is_causal=mask is None,
-                enable_gqa=not expand,
-            )
-            out[rows] = attended[0].transpose(0, 1)
+            attend_chunk(out, q, k, v, key_cache, value_cache, chunk, plan.masks[window])
         return out
 
     @staticmethod
