@@ -75,8 +75,12 @@ def test_runner_logits_on_the_triton_backend_equal_the_reference(
     hf_checkpoint: Callable[[str], Path], arch: str
 ) -> None:
     path = hf_checkpoint(arch)
-    ref = ModelRunner(path, num_blocks=48, block_size=4, attention="torch", device=DEVICE)
-    fast = ModelRunner(path, num_blocks=48, block_size=4, attention="triton", device=DEVICE)
+    ref = ModelRunner(
+        path, num_blocks=48, block_size=4, attention="torch", device=DEVICE, dtype="float32"
+    )
+    fast = ModelRunner(
+        path, num_blocks=48, block_size=4, attention="triton", device=DEVICE, dtype="float32"
+    )
     assert isinstance(fast.attention, TritonAttention)
     prompt = [(5 * j) % 250 + 3 for j in range(30)]
     tables = [list(range(0, 12)), list(range(12, 24))]

@@ -309,7 +309,7 @@ def test_eos_ids_come_from_config_and_tokenizer(hf_checkpoint: Callable[[str], P
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_runner_matches_cpu(hf_checkpoint: Callable[[str], Path]) -> None:
     path = hf_checkpoint("mistral")
-    cpu, cuda = _runner(path), _runner(path, device="cuda")
+    cpu, cuda = _runner(path), _runner(path, device="cuda", dtype="float32")
     prompts = PROMPTS[:3]
     assert _greedy_generate(cuda, prompts, 8) == _greedy_generate(cpu, prompts, 8)
     ours = cuda.compute_logits([_work(3, PROMPTS[1], 0)])[3].cpu()
