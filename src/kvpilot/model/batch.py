@@ -197,7 +197,15 @@ def _padded(tables: Sequence[Sequence[int]]) -> np.ndarray:
 
 
 def upload(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
-    """Copy int64 arrays to the device in one transfer, returned as views of one buffer."""
+    """Copy int64 arrays to the device in one transfer, returned as views of one buffer.
+
+    On CUDA the packed array is staged in pinned memory and copied without blocking the
+    host (the caching host allocator keeps the staging buffer alive until the copy is done).
+    """
     sizes = [a.size for a in arrays]
-    packed = torch.from_numpy(np.concatenate(arrays).astype(np.int64, copy=False)).to(device)
+    packed = torch.from_numpy(np.concatenate(arrays).astype(np.int64, copy=False))
+    if device.type == "cuda":
+        packed = packed.pin_memory().to(device, non_blocking=True)
+    else:
+        packed = packed.to(device)
     return list(torch.split(packed, sizes))
