@@ -188,7 +188,8 @@ def replay_section(args: argparse.Namespace, peers: Path) -> dict[str, float]:
     calls = sum(len(s) for s in sessions)
     prompt_tokens = sum(len(c.tokens) for s in sessions for c in s)
     working = working_set_tokens(sessions)
-    budget = max(max_len, int(working * args.kv_fraction)) // 128 * 128  # vLLM's CPU blocks
+    # In vLLM's 128-token CPU blocks; vLLM wants one block beyond a whole max-length sequence.
+    budget = -(-max(max_len + 128, int(working * args.kv_fraction)) // 128) * 128
     config = ModelConfig.from_folder(path)
     per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * 4
     ideal_rate = ideal(sessions, 16)

@@ -85,6 +85,11 @@ async def _session(
     agent_hints: bool,
     totals: list[int],
 ) -> None:
+    session_id = None
+    if agent_hints:  # a kvpilot session per trace session (the server picks its id)
+        created = await client.post("/v1/sessions", json={})
+        created.raise_for_status()
+        session_id = created.json()["id"]
     for call in calls:
         body: dict[str, object] = {
             "model": model,
@@ -93,8 +98,8 @@ async def _session(
             "temperature": 0.0,
             "ignore_eos": True,
         }
-        if agent_hints:
-            body["session_id"] = call.session
+        if session_id is not None:
+            body["session_id"] = session_id
             body["expected_tool_wait_s"] = call.wait_s
         response = await client.post("/v1/completions", json=body)
         response.raise_for_status()
