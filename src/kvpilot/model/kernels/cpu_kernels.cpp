@@ -32,6 +32,7 @@ namespace {
 constexpr int KEY_CHUNK = 64;  // keys scored per online-softmax step
 constexpr int MAX_ROWS = 32;    // query rows (tokens x group) per work item
 constexpr int MAX_HEAD_DIM = 256;
+constexpr int64_t PARALLEL_MIN_ELEMENTS = 1 << 15;  // below this one thread is faster
 
 inline float load(float x) { return x; }
 inline float load(uint16_t x) {  // bfloat16 -> float
@@ -342,7 +343,13 @@ int run(const void* q, const void* k_cache, const void* v_cache, void* out,
         }
     }
     const int64_t count = int64_t(items.size());
-#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+    // Small steps stay on one thread: a parallel region costs more than it saves there, and
+    // far more when the machine is oversubscribed (a barrier waits for a descheduled thread).
+    int64_t work = 0;
+    for (const Item& item : items)
+        work += (item.tok_end - item.tok_begin) * G * (ctx_len[item.work] + 1) * D;
+    const bool parallel = count > 1 && work >= PARALLEL_MIN_ELEMENTS * 16;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) if (parallel)
     for (int64_t i = 0; i < count; ++i) {
         attend<T>(items[i], static_cast<const T*>(q), static_cast<const T*>(k_cache),
                   static_cast<const T*>(v_cache), static_cast<T*>(out), q_start, q_len,
@@ -352,8 +359,6 @@ int run(const void* q, const void* k_cache, const void* v_cache, void* out,
 }
 
 // -- element-wise layer ops, fused: residual add + RMSNorm, SiLU * mul, in-place RoPE -------
-
-constexpr int64_t PARALLEL_MIN_ELEMENTS = 1 << 15;  // below this one thread is faster
 
 template <typename T>
 void add_rms_norm(const T* x, T* residual, const T* weight, T* out, int64_t rows, int64_t dim,
