@@ -74,3 +74,13 @@ def test_cuda_host_pool_is_pinned() -> None:
     transport = TorchTierTransport(_cache(torch.bfloat16), num_host_blocks=4)
     assert transport.host.is_pinned()
     transport.close()
+
+
+def test_poisoned_host_blocks_are_exactly_the_named_ones() -> None:
+    cache = _cache(torch.float32)
+    transport = TorchTierTransport(cache, num_host_blocks=6)
+    transport.swap_out([(0, 0), (1, 1), (2, 2)]).result()
+    transport.poison_host([1, 4])
+    assert transport.host[1].isnan().all() and transport.host[4].isnan().all()
+    assert not transport.host[[0, 2, 3, 5]].isnan().any()
+    transport.close()

@@ -155,7 +155,8 @@ class TorchTierTransport:
     def poison_host(self, blocks: Sequence[int]) -> None:
         # Freed host blocks have no copy in flight (copies pin their blocks until done).
         if blocks:
-            poison_blocks(self.host, self._index(blocks, torch.device("cpu")))
+            index = torch.tensor([int(b) for b in blocks], dtype=torch.long)
+            poison_blocks(self.host.movedim(0, 2), index)  # host blocks are dim 0 here
 
     def close(self) -> None:
         self._copier.shutdown(wait=True)
