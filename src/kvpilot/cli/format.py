@@ -11,6 +11,8 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from kvpilot.units import format_bytes
+
 if TYPE_CHECKING:
     from kvpilot.sizing.frag_lab import FragReport, ScenarioResult
     from kvpilot.sizing.plan import Plan
@@ -50,6 +52,24 @@ def render_plan(plan: Plan, console: Console) -> None:
         f"[bold]{plan.model}[/] on [bold]{plan.node}[/], TP {b.tp}{replicas} · "
         f"weights {plan.weight_dtype}, KV {plan.kv_dtype}"
     )
+    console.print(f"{plan.tp_reason}; {b.replicas} replica(s) on {b.devices} devices")
+    limit = f"; context limit {plan.max_context_tokens:,} tokens" if plan.max_context_tokens else ""
+    console.print(f"{plan.layers}{limit}")
+    console.print(
+        f"KV per token (eq. 1, whole model): [bold]{f.model_bytes:,} B[/]"
+        + (f"; {f.device_bytes:,} B on each of the TP {b.tp} devices" if b.tp > 1 else "")
+    )
+    if f.window_cap_model_bytes or f.state_model_bytes:
+        parts = [f"full-attention layers {f.full_model_bytes:,} B per token"]
+        if f.window_cap_model_bytes:
+            parts.append(
+                f"window layers at most {format_bytes(f.window_cap_model_bytes)} per sequence"
+            )
+        if f.state_model_bytes:
+            parts.append(f"linear layers {format_bytes(f.state_model_bytes)} of state per sequence")
+        console.print("hybrid: " + ", ".join(parts) + " (capacity below counts it this way)")
+    for warning in plan.warnings:
+        console.print(f"[yellow]warning:[/] {warning}")
 
     memory = Table(title="Memory (eq. 3-5)", title_justify="left", box=box.SIMPLE_HEAD)
     memory.add_column("")
