@@ -6,9 +6,9 @@ from hypothesis import strategies as st
 
 from kvpilot.errors import ConfigError
 from kvpilot.policy.breakeven import PauseAction
+from kvpilot.sizing.capacity import block_sizing, max_concurrency, memory_budget
 from kvpilot.sizing.geometry import PRESETS
 from kvpilot.sizing.hardware import ACCELERATORS, GIB, parse_node
-from kvpilot.sizing.capacity import block_sizing, max_concurrency, memory_budget
 from kvpilot.sizing.plan import PlanConfig, make_plan
 
 LLAMA_70B = PRESETS["llama-3-70b"]
