@@ -107,7 +107,7 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
 
 
 def bench_setup(hours: float) -> SimSetup:
-    return SimSetup(model="llama-3-70b", node="8xh100", duration_s=3600.0 * hours)
+    return SimSetup(model="llama-3-70b", node="8xh100", tp=8, duration_s=3600.0 * hours)
 
 
 def run_hour(hours: float) -> dict[str, float]:

@@ -8,15 +8,8 @@ import pytest
 
 from kvpilot.engine.executor import SeqWork
 from kvpilot.errors import ConfigError
-from kvpilot.sim.cost_model import (
-    PROFILE_FEATURES,
-    BatchShape,
-    CalibratedCostModel,
-    RooflineCostModel,
-    StepProfile,
-    batch_shape,
-    shape_of,
-)
+from kvpilot.sim.cost_model import BatchShape, RooflineCostModel, batch_shape, shape_of
+from kvpilot.sim.profile import PROFILE_FEATURES, CalibratedCostModel, StepProfile
 from kvpilot.sizing.geometry import ModelGeometry, resolve_geometry
 from kvpilot.sizing.hardware import Accelerator, Node, parse_node
 

@@ -29,6 +29,8 @@ def parse_bytes(text: str, what: str = "size") -> float:
     gigabytes and "80GB" and "80GiB" differ by 7%. ``what`` names the option in messages.
     """
     match = _SIZE_RE.match(text.removesuffix("/s").removesuffix("ps"))
+    if match is not None and not match.group(2) and float(match.group(1)) == 0:
+        return 0.0  # nothing is nothing in every unit
     if match is not None and not match.group(2):
         raise ConfigError(
             f"{what} {text!r} has no unit: write e.g. {match.group(1)}GB or "

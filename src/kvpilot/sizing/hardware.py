@@ -36,8 +36,8 @@ class Accelerator:
     host_link_bw_bytes_s: float
     host_link: str
     host_mem_bytes: int
-    peer_link_bw_bytes_s: float
-    peer_link: str
+    peer_link_bw_bytes_s: float | None = None
+    peer_link: str | None = None
 
     def __post_init__(self) -> None:
         for field in (
@@ -45,12 +45,13 @@ class Accelerator:
             "hbm_bw_bytes_s",
             "peak_flops",
             "host_link_bw_bytes_s",
-            "peer_link_bw_bytes_s",
         ):
             if getattr(self, field) <= 0:
                 raise ConfigError(f"accelerator {self.name!r}: {field} must be positive")
         if self.host_mem_bytes < 0:
             raise ConfigError(f"accelerator {self.name!r}: host_mem_bytes must not be negative")
+        if self.peer_link_bw_bytes_s is not None and self.peer_link_bw_bytes_s <= 0:
+            raise ConfigError(f"accelerator {self.name!r}: peer_link_bw_bytes_s must be positive")
 
 
 PCIE4 = 32 * GB  # PCIe Gen4 x16, per direction
