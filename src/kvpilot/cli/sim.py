@@ -264,7 +264,9 @@ def calibrate(
         profile.save(out)
         result: dict[str, Any] = {"profile": str(out), **profile.to_json()}
         if check and paths:
-            cap = max_call_tokens or profile.max_model_len - (max_output_tokens or 1)
+            cap = max_call_tokens
+            if cap is None and profile.max_model_len:
+                cap = profile.max_model_len - (max_output_tokens or 1)
             replay = load_replay(
                 paths,
                 ReplayOptions(

@@ -15,9 +15,10 @@ relative error and with non-negative coefficients, of::
 `check_replay` then replays the same trace on the real engine and on the simulator with that
 profile (same engine config, same KV pool) and compares throughput and prefix hit rate.
 
-Time is measured as this process's CPU time (`ProcessClock`), with torch on one thread: on
-a shared machine wall time also counts other processes' turns on the cores, which is noise
-the profile must not learn.
+Time is measured as this process's CPU time, with torch on one thread: on a shared machine
+wall time also counts other processes' turns on the cores, which is noise the profile must
+not learn. A real replay's time is its steps' CPU time (`StepClock`): what the simulator
+models, without the harness that drives it.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from kvpilot.engine.clock import VirtualClock
 from kvpilot.engine.config import EngineConfig
 from kvpilot.engine.engine import Engine
 from kvpilot.engine.executor import Executor, SeqWork, StepOutput
+from kvpilot.engine.request import RequestOutput
 from kvpilot.engine.sampling import SamplingParams
 from kvpilot.errors import ConfigError
 from kvpilot.sim.cost_model import BatchShape, batch_shape
@@ -48,18 +50,46 @@ from kvpilot.sim.simulator import Simulator
 CALIBRATION_CONFIG = EngineConfig(max_num_batched_tokens=1024, max_prefill_chunk=512)
 
 
-class ProcessClock:
-    """A `Clock` reading this process's CPU time; ``sleep`` adds idle time without waiting."""
+class StepClock:
+    """The real engine's own time: this process's CPU time spent inside `Engine.step`, plus
+    idle time (``sleep`` adds it without waiting).
+
+    Calibration fits whole steps and the simulator charges nothing else, so on the real side
+    the harness that drives a replay (event loop, driver, submissions) must not count either:
+    only `MeasuredEngine.step` runs the clock.
+    """
 
     def __init__(self) -> None:
+        self._done = 0.0
         self._idle = 0.0
+        self._since: float | None = None
 
     def now(self) -> float:
-        return time.process_time() + self._idle
+        running = 0.0 if self._since is None else time.process_time() - self._since
+        return self._done + self._idle + running
 
     def sleep(self, seconds: float) -> None:
         if seconds > 0:
             self._idle += seconds
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[None]:
+        self._since = time.process_time()
+        try:
+            yield
+        finally:
+            self._done += time.process_time() - self._since
+            self._since = None
+
+
+class MeasuredEngine(Engine):
+    """The real engine, its `StepClock` running while it steps."""
+
+    def step(self, *, snapshots: bool = True) -> list[RequestOutput]:
+        clock = self.clock
+        assert isinstance(clock, StepClock)
+        with clock.running():
+            return super().step(snapshots=snapshots)
 
 
 class TimedExecutor:
@@ -129,14 +159,14 @@ def real_engine(
         attention=config.attention,
     )
     timed = TimedExecutor(runner)
-    engine = Engine(
+    engine = MeasuredEngine(
         timed,
         config,
         tokenizer=runner.tokenizer,
         eos_token_ids=runner.eos_token_ids,
         max_model_len=runner.max_model_len,
         vocab_size=runner.config.vocab_size,
-        clock=ProcessClock(),
+        clock=StepClock(),
     )
     return engine, timed
 

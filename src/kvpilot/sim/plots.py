@@ -83,6 +83,13 @@ def plot_kv_usage(result: SimResult, path: Path, tau_high: float | None = None) 
 
 
 def plot_latency(result: SimResult, path: Path) -> Path:
+    """``latency.png``: `latency_figure` saved to ``path``."""
+    return _save(latency_figure(result), path)
+
+
+def latency_figure(result: SimResult) -> Figure:
+    """Latency percentiles over time (left) and against KV occupancy (right), each metric in
+    the same colour in both panels."""
     s = result.samples
     t = s["time_s"] / 60.0
     fig = Figure(figsize=(11, 4.5))
@@ -118,7 +125,7 @@ def plot_latency(result: SimResult, path: Path) -> Path:
     right.set_ylabel("latency (ms)")
     right.set_title("latency against KV occupancy")
     right.legend(fontsize=8)
-    return _save(fig, path)
+    return fig
 
 
 def plot_policy_comparison(results: Sequence[SimResult], path: Path) -> Path:
@@ -200,6 +207,11 @@ def plot_breakeven(
 def plot_capacity(
     plans: Sequence[Plan], path: Path, observed: dict[str, float] | None = None
 ) -> Path:
+    """``capacity.png``: `capacity_figure` saved to ``path``."""
+    return _save(capacity_figure(plans, observed), path)
+
+
+def capacity_figure(plans: Sequence[Plan], observed: dict[str, float] | None = None) -> Figure:
     """Trajectories per node by context length, cold (eq. 6) and sharing a prefix (eq. 7):
     the rows of ``plans`` (one per node, from `make_plan`), so the bars are the figures
     `kvpilot plan` prints. The title states the plan's assumptions.
@@ -250,7 +262,7 @@ def plot_capacity(
         fontsize=9,
     )
     ax.legend(fontsize=8)
-    return _save(fig, path)
+    return fig
 
 
 def plot_trace_diagnosis(d: TraceDiagnosis, path: Path) -> Path:
