@@ -113,9 +113,15 @@ def test_plan_default_tp_is_the_smallest_that_fits_and_says_so() -> None:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--kv-dtype", "int4"], "unknown KV dtype 'int4': use one of bf16, fp16, fp32, fp8"),
-        (["--weights-dtype", "fp4"], "unknown weights dtype 'fp4'"),
-        (["--node", "8xtpu"], "unknown accelerator 'tpu': use one of a100-40"),
+        (
+            ["--kv-dtype", "int4"],
+            "unknown KV dtype 'int4' (--kv-dtype): use one of bf16, fp16, fp32, fp8",
+        ),
+        (
+            ["--weights-dtype", "fp4"],
+            "unknown weights dtype 'fp4' (--weights-dtype): use one of bf16",
+        ),
+        (["--node", "8xtpu"], "unknown accelerator 'tpu' (--node): use one of a100-40"),
         (["--tp", "3"], "tensor parallel degree 3 must divide the 8 accelerators"),
         (["--pause", "soon"], "cannot read --pause 'soon'"),
         (["--headroom", "1.5"], "--headroom is a fraction in [0, 1)"),

@@ -146,8 +146,11 @@ def test_sim_replays_a_hashed_trace(cli, tmp_path) -> None:
         (["--host-kv", "64"], "--host-kv '64' has no unit"),
         (["--block-size", "12"], "block_size must be a power of two, got 12"),
         (["--tau-high", "1.5"], "tau_high must be in (0, 1], got 1.5"),
-        (["--kv-dtype", "int4"], "unknown KV dtype 'int4': use one of bf16, fp16, fp32, fp8"),
-        (["--node", "8xtpu"], "unknown accelerator 'tpu': use one of a100-40"),
+        (
+            ["--kv-dtype", "int4"],
+            "unknown KV dtype 'int4' (--kv-dtype): use one of bf16, fp16, fp32, fp8",
+        ),
+        (["--node", "8xtpu"], "unknown accelerator 'tpu' (--node): use one of a100-40"),
         (["--tp", "3"], "tensor parallel degree 3 must divide"),
         (["--sessions", "0"], "--sessions must be at least 1, got 0"),
         (["--sessions", "2"], "--sessions 2: replay limits apply to --trace replays"),

@@ -114,13 +114,13 @@ def render_plan(plan: Plan, console: Console) -> None:
     )
     for name in ("block (tokens)", "block (KiB)", "blocks", "tokens", "tail waste (%)"):
         blocks.add_column(name, justify="right")
-    for row in plan.blocks:
+    for block_row in plan.blocks:
         blocks.add_row(
-            f"{row.block_size}",
-            f"{row.block_bytes / 1024:,.0f}",
-            f"{row.num_blocks:,}",
-            f"{row.token_capacity:,}",
-            _pct(row.tail_waste_fraction, 2),
+            f"{block_row.block_size}",
+            f"{block_row.block_bytes / 1024:,.0f}",
+            f"{block_row.num_blocks:,}",
+            f"{block_row.token_capacity:,}",
+            _pct(block_row.tail_waste_fraction, 2),
         )
     console.print(blocks)
 
@@ -134,19 +134,19 @@ def render_plan(plan: Plan, console: Console) -> None:
     )
     for name in ("tokens", "KV\n(GB)", "reload\n(ms)", "recompute\n(s)", "held\n(GB·s)", "action"):
         pause.add_column(name, justify="left" if name == "action" else "right", no_wrap=True)
-    for row in plan.pauses:
-        d = row.decision
+    for pause_row in plan.pauses:
+        d = pause_row.decision
         pause.add_row(
-            f"{row.context_tokens:,}",
-            _gb(row.kv_bytes),
+            f"{pause_row.context_tokens:,}",
+            _gb(pause_row.kv_bytes),
             _ms(d.reload_s),
             f"{d.recompute_s:,.2f}",
             f"{d.held_gb_s:,.0f}",
             d.action.label.lower(),
         )
     console.print(pause)
-    for row in plan.pauses:
-        console.print(f"{row.context_tokens:,} tokens: {row.decision.reason}")
+    for pause_row in plan.pauses:
+        console.print(f"{pause_row.context_tokens:,} tokens: {pause_row.decision.reason}")
 
 
 FRAG_COLUMNS = ("alloc. eff. %", "ext. frag. %", "effective eff. %")

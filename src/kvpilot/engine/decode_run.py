@@ -14,13 +14,15 @@ It returns 0 (and changes nothing) unless the next step is such a step:
 - every running sequence decodes (one token left to compute), the step's budget covers
   them all, and no waiting sequence could be admitted (nothing waits, or the batch is at
   ``max_num_seqs`` or uses the whole token budget);
+- every block the run needs is free or evictable from the prefix cache (a run allocates,
+  and so evicts, at the same steps and in the same order as `Engine.step`);
 - no tier copy is in flight and no offload timer is due;
 - the executor implements `DecodeRunExecutor` and the clock can `advance` (a simulation).
 
 ``k`` ends before the step that samples any sequence's last token (``max_tokens``, the
 model's length, a stop token: finishing is left to `Engine.step`), before the pool would
-run out of free blocks (eviction is left to `Engine.step`), and before the step that would
-start at or after ``until`` (the caller's next event).
+run out of free and evictable blocks (preemption is left to `Engine.step`), and before the
+step that would start at or after ``until`` (the caller's next event).
 
     step:     0        1        2              k-1        k
     time:   s_0 ---> s_1 ---> s_2 --- ... ---> s_{k-1} ---> s_k      s_j < until for j < k
@@ -120,19 +122,19 @@ def advance_decode_run(engine: Engine, until: float, max_steps: int = MAX_RUN_ST
             params.max_tokens - len(seq.output_token_ids) - 1,
             engine.max_model_len - tokens - 1,
         )
-        stop = params.stop_token_ids
+        stop: Collection[int] = params.stop_token_ids
         if not params.ignore_eos and engine.eos_token_ids:
             stop = frozenset(stop) | engine.eos_token_ids
         stops.append(stop)
     if k_max < 2:
         return 0
-    # Blocks: sequence i needs one at steps first_i, first_i + B, ...; stay within the free
-    # list so that nothing is evicted.
+    # Blocks: sequence i needs one at steps first_i, first_i + B, ...; stay within what is
+    # free or evictable from the cache (allocating evicts, in the same order as step() would).
     positions = [seq.traj.num_computed_tokens for seq in running]
     firsts = [
         len(seq.traj.block_table) * block - p for seq, p in zip(running, positions, strict=True)
     ]
-    free = kv.device.num_free
+    free = kv.free_blocks()
     k = 0
     durations: list[float] = []
     starts = [now]
@@ -144,14 +146,13 @@ def advance_decode_run(engine: Engine, until: float, max_steps: int = MAX_RUN_ST
         durations.append(dt)
         starts.append(t)
         k += 1
-    if sum(_blocks_by(k, f, block) for f in firsts) > free:
-        while k and sum(_blocks_by(k, f, block) for f in firsts) > free:
-            k -= 1
+    while k and sum(_blocks_by(k, f, block) for f in firsts) > free:
+        k -= 1
     sampled = []
-    for seq, stop in zip(running, stops, strict=True):
+    for seq, stop_ids in zip(running, stops, strict=True):
         tokens = executor.decode_run_tokens(seq.seed, len(seq.output_token_ids), k)  # type: ignore[attr-defined]
-        if stop and any(tok in stop for tok in tokens):
-            k = min(k, next(j for j, tok in enumerate(tokens) if tok in stop))
+        if stop_ids and any(tok in stop_ids for tok in tokens):
+            k = min(k, next(j for j, tok in enumerate(tokens) if tok in stop_ids))
         sampled.append(tokens)
     if k < 2:
         return 0
@@ -200,25 +201,27 @@ def _apply(
     poll_at = offload.next_poll_at()
     poll_at -= 1e-9 * max(1.0, abs(poll_at))
     step_time = stats.step_time_s
-    for j in range(k):
-        if starts[j] >= poll_at:  # at step j's start, as Engine.step does
+    for j in range(k):  # as Engine.step: poll, schedule (allocate), execute, commit
+        if starts[j] >= poll_at:
             offload.poll(idle)
             poll_at = offload.next_poll_at()
             poll_at -= 1e-9 * max(1.0, abs(poll_at))
+        todo = events.get(j)
+        if todo is not None:
+            todo.sort()
+            for is_commit, i in todo:
+                if not is_commit:
+                    traj = running[i].traj
+                    traj.allocate(positions[i] + j + 1 - traj.num_computed_tokens)
         advance(durations[j])
         step_time += starts[j + 1] - starts[j]
-        todo = events.get(j)
         if todo is None:
             continue
-        todo.sort()
         for is_commit, i in todo:
-            traj = running[i].traj
-            end = positions[i] + j + 1  # tokens computed once step j is done
             if is_commit:
-                traj.mark_computed(end - traj.num_computed_tokens)
+                traj = running[i].traj
+                traj.mark_computed(positions[i] + j + 1 - traj.num_computed_tokens)
                 traj.commit()
-            else:
-                traj.allocate(end - traj.num_computed_tokens)
     stats.step_time_s = step_time
     end_time = starts[k]
     itl = stats.itl_s

@@ -198,7 +198,8 @@ def _episodes(rng: random.Random, vocab: int, quick: bool, limit: int) -> list[_
         continuations: tuple[tuple[int, int], ...] = ((1000, 60), (600, 300))
         batch_sizes: tuple[int, ...] = (1, 2, 4, 12)
         contexts: tuple[int, ...] = (64, 800, 1600)
-        decode_steps, mixed = 6, (3,)
+        decode_steps = 6
+        mixed: tuple[int, ...] = (3,)
     else:
         lengths = (16, 64, 200, 400, 512, 900, 1500, 2000)
         continuations = ((1000, 24), (600, 200), (1200, 450))

@@ -154,7 +154,8 @@ class StepCost:
 
 
 class StepCostModel(Protocol):
-    block_size: int
+    @property
+    def block_size(self) -> int: ...
 
     @property
     def windows(self) -> tuple[int, ...]:

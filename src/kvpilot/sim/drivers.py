@@ -17,6 +17,7 @@ only what precedes the volatile token.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import random
 from dataclasses import dataclass
@@ -250,7 +251,7 @@ class ReplayDriver:
         self._sim = sim
         for session in self.sessions:
             t = session.calls[0].offset_s * self.time_scale
-            sim.at(t, lambda s=session: self._begin(s))
+            sim.at(t, functools.partial(self._begin, session))
 
     def _begin(self, replay: ReplaySession) -> None:
         self.started += 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass
+from typing import Any
 
 from kvpilot.errors import ConfigError
 
@@ -224,7 +225,7 @@ def resolve_accelerator(name: str) -> Accelerator:
     key = _ALIASES.get(key, key)
     if key not in ACCELERATORS:
         raise ConfigError(
-            f"unknown accelerator {name!r}: use one of {', '.join(ACCELERATORS)} "
+            f"unknown accelerator {name!r} (--node): use one of {', '.join(ACCELERATORS)} "
             f"(optionally as COUNTxNAME, e.g. 8xh100)"
         )
     return ACCELERATORS[key]
@@ -272,7 +273,7 @@ class Node:
         nvme_bw_bytes_s: float | None = None,
     ) -> Node:
         """This node with any per-accelerator figure (or the NVMe bandwidth) replaced."""
-        changes = {
+        changes: dict[str, Any] = {
             "hbm_bytes": hbm_bytes,
             "hbm_bw_bytes_s": hbm_bw_bytes_s,
             "peak_flops": peak_flops,
