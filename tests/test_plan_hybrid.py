@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvpilot.errors import ConfigError
@@ -245,6 +245,7 @@ layer_group = st.one_of(
 )
 
 
+@settings(deadline=None)
 @given(
     groups=st.lists(layer_group, min_size=1, max_size=4),
     tokens=st.integers(1, 1 << 18),

@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvpilot.engine.executor import SeqWork
@@ -211,6 +211,7 @@ GEMMA_LIKE = ModelGeometry(
 )
 
 
+@settings(deadline=None)
 @given(c=st.integers(1, 3000), p=st.integers(0, 9000), window=st.integers(1, 5000))
 def test_window_pairs_count_what_each_query_sees(c: int, p: int, window: int) -> None:
     assert window_pairs(c, p, window) == sum(min(q + 1, window) for q in range(p, p + c))
@@ -247,6 +248,7 @@ def test_window_layers_read_at_most_their_window() -> None:
     ],
     ids=["roofline-hybrid", "roofline", "calibrated"],
 )
+@settings(deadline=None)
 @given(positions=st.lists(st.integers(0, 9000), min_size=1, max_size=40))
 def test_decode_run_durations_equal_each_steps_time_to_the_last_bit(
     model: Any, positions: list[int]
