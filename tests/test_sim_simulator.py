@@ -307,11 +307,10 @@ def test_replay_keeps_the_traces_gaps_and_pauses_for_them() -> None:
     assert driver.completed == 1 and driver.calls == 3
     arrivals = list(sim.turns.arrival_s)
     finishes = list(sim.turns.finish_s)
-    # The 1 ms gap is shorter than the call: the next call goes when it ends, no pause.
-    assert arrivals[1] == pytest.approx(finishes[0]) and finishes[0] > 0.001
-    # Call 2 goes 49.999 s after call 1 was sent: the wait after call 1 is a tool pause.
-    assert arrivals[2] == pytest.approx(arrivals[1] + 49.999)
-    assert driver.pauses == 1 and sum(engine.offload.stats.decisions.values()) == 1
+    # Each recorded gap is a tool wait after the call ends, announced as a pause.
+    assert arrivals[1] == pytest.approx(finishes[0] + 0.001)
+    assert arrivals[2] == pytest.approx(finishes[1] + 49.999)
+    assert driver.pauses == 2 and sum(engine.offload.stats.decisions.values()) == 2
     # Each call restarts the session on its whole prompt (the trace's reply is not what
     # the simulator generated): the cache serves the common full blocks.
     assert driver.restarts == 2

@@ -202,15 +202,14 @@ class AgentDriver:
 
 
 class ReplayDriver:
-    """Replays recorded sessions, each as an engine session, at the trace's own pace.
+    """Replays recorded sessions, each as an engine session, the trace's gaps as tool waits.
 
-    A session starts at its first call's offset x ``time_scale``. Call i+1 is sent
-    ``(offset[i+1] - offset[i]) x time_scale`` after call i was sent (the recorded gap:
-    generation plus tool time), or as soon as call i finishes if that is later. The wait
-    between call i's end and call i+1 is a tool wait: the session pauses for it (announcing
-    that wait, tool ``trace``), so the engine's pause policy decides whether its KV is
-    retained, offloaded or dropped meanwhile. ``time_scale=0`` sends calls back to back,
-    with no pauses.
+    A session starts at its first call's offset x ``time_scale``. When call i finishes, the
+    session pauses for the recorded gap to call i+1, ``(offset[i+1] - offset[i]) x
+    time_scale``, announcing that wait (tool ``trace``), so the engine's pause policy decides
+    whether its KV is retained, offloaded or dropped meanwhile; then call i+1 is sent. A
+    recorded gap also holds the recorded model's generation time, so these waits are an
+    upper bound on the tool time. ``time_scale=0`` sends calls back to back, with no pauses.
 
     A call whose prompt extends the session's tokens is the session's next turn; any other
     (the usual case: the prompt holds the recorded reply, not the simulated one) restarts the
@@ -270,25 +269,20 @@ class ReplayDriver:
                 self.restarts += 1
                 session.close()
                 session = sim.engine.open_session()
-        sent = sim.now
         rid = sim.submit(
-            prompt,
-            call.output_tokens,
-            lambda _out: self._done(replay, session, i, sent),
-            session=session,
+            prompt, call.output_tokens, lambda _out: self._done(replay, session, i), session=session
         )
         if rid is None:
             self.rejected += 1
-            self._done(replay, session, i, sent)
+            self._done(replay, session, i)
 
-    def _done(self, replay: ReplaySession, session: Session, i: int, sent: float) -> None:
+    def _done(self, replay: ReplaySession, session: Session, i: int) -> None:
         sim = self.sim
         if i + 1 >= len(replay.calls):
             self.completed += 1
             session.close()
             return
-        gap = (replay.calls[i + 1].offset_s - replay.calls[i].offset_s) * self.time_scale
-        wait = max(0.0, sent + gap - sim.now)
+        wait = (replay.calls[i + 1].offset_s - replay.calls[i].offset_s) * self.time_scale
         if wait > 0 and session.active_request is None and not session.closed:
             session.pause(wait, "trace")
             self.pauses += 1
