@@ -115,13 +115,13 @@ def test_plan_default_tp_is_the_smallest_that_fits_and_says_so() -> None:
     [
         (
             ["--kv-dtype", "int4"],
-            "unknown KV dtype 'int4' (--kv-dtype): use one of bf16, fp16, fp32, fp8",
+            "--kv-dtype: unknown KV dtype 'int4': use one of bf16, fp16, fp32, fp8",
         ),
         (
             ["--weights-dtype", "fp4"],
-            "unknown weights dtype 'fp4' (--weights-dtype): use one of bf16",
+            "--weights-dtype: unknown weights dtype 'fp4': use one of bf16",
         ),
-        (["--node", "8xtpu"], "unknown accelerator 'tpu' (--node): use one of a100-40"),
+        (["--node", "8xtpu"], "--node: unknown accelerator 'tpu': use one of a100-40"),
         (["--tp", "3"], "tensor parallel degree 3 must divide the 8 accelerators"),
         (["--pause", "soon"], "cannot read --pause 'soon'"),
         (["--headroom", "1.5"], "--headroom is a fraction in [0, 1)"),

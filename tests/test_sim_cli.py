@@ -148,9 +148,9 @@ def test_sim_replays_a_hashed_trace(cli, tmp_path) -> None:
         (["--tau-high", "1.5"], "tau_high must be in (0, 1], got 1.5"),
         (
             ["--kv-dtype", "int4"],
-            "unknown KV dtype 'int4' (--kv-dtype): use one of bf16, fp16, fp32, fp8",
+            "--kv-dtype: unknown KV dtype 'int4': use one of bf16, fp16, fp32, fp8",
         ),
-        (["--node", "8xtpu"], "unknown accelerator 'tpu' (--node): use one of a100-40"),
+        (["--node", "8xtpu"], "--node: unknown accelerator 'tpu': use one of a100-40"),
         (["--tp", "3"], "tensor parallel degree 3 must divide"),
         (["--sessions", "0"], "--sessions must be at least 1, got 0"),
         (["--sessions", "2"], "--sessions 2: replay limits apply to --trace replays"),

@@ -8,12 +8,16 @@ heavy (torch, FastAPI, matplotlib, numpy, rich tables) inside the command that n
 from __future__ import annotations
 
 import json
-from typing import Annotated
+from functools import partial
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from kvpilot.cli.help import Command, Group
 from kvpilot.errors import KvpilotError
+
+if TYPE_CHECKING:
+    from kvpilot.sizing.geometry import ModelGeometry
 
 app = typer.Typer(
     cls=Group,
@@ -26,6 +30,18 @@ app = typer.Typer(
 def _fail(exc: KvpilotError) -> typer.Exit:
     typer.echo(f"error: {exc}", err=True)
     return typer.Exit(code=2)
+
+
+def model_geometry(model: str, kv_dtype: str | None, weights_dtype: str | None) -> ModelGeometry:
+    """The geometry `plan` and `sim` size, each mistake named by its flag."""
+    from kvpilot.cli.checks import for_flag
+    from kvpilot.sizing.geometry import normalize_dtype, normalize_weight_dtype, resolve_geometry
+
+    if kv_dtype is not None:
+        for_flag("--kv-dtype", partial(normalize_dtype, kv_dtype))
+    if weights_dtype is not None:
+        for_flag("--weights-dtype", partial(normalize_weight_dtype, weights_dtype))
+    return for_flag("--model", partial(resolve_geometry, model, kv_dtype, weights_dtype))
 
 
 @app.command(cls=Command)
@@ -75,8 +91,8 @@ def plan(
     """Size KV memory: bytes per token, pool, concurrency, blocks, and the pause decision."""
     from rich.console import Console
 
+    from kvpilot.cli.checks import for_flag
     from kvpilot.cli.format import render_plan, to_jsonable
-    from kvpilot.sizing.geometry import resolve_geometry
     from kvpilot.sizing.hardware import parse_node
     from kvpilot.sizing.plan import DEFAULT_BLOCK_SIZES, DEFAULT_CONTEXTS, PlanConfig, make_plan
     from kvpilot.units import parse_bytes, parse_duration
@@ -85,15 +101,16 @@ def plan(
         return None if text is None else parse_bytes(text, flag)
 
     try:
+        geometry = model_geometry(model, kv_dtype, weights_dtype)
         hbm_bytes = opt(hbm, "--hbm")
-        the_node = parse_node(node).with_overrides(
+        the_node = for_flag("--node", partial(parse_node, node)).with_overrides(
             hbm_bytes=None if hbm_bytes is None else int(hbm_bytes),
             host_link_bw_bytes_s=opt(link_bw, "--link-bw"),
             nvme_bw_bytes_s=opt(nvme_bw, "--nvme-bw"),
         )
         result = make_plan(
             PlanConfig(
-                geometry=resolve_geometry(model, kv_dtype, weights_dtype),
+                geometry=geometry,
                 node=the_node,
                 tp=tp,
                 contexts=tuple(context) if context else DEFAULT_CONTEXTS,

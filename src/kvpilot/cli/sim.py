@@ -15,13 +15,13 @@ limits (``--sessions``, ``--calls``, ``--max-call-tokens``, ``--head-tokens``,
 from __future__ import annotations
 
 import json
+from functools import partial
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.console import Console
-from rich.progress import Progress
 
+from kvpilot.cli.checks import for_flag
 from kvpilot.cli.sim_support import (
     HELP_CALLS,
     HELP_HEAD_TOKENS,
@@ -30,11 +30,11 @@ from kvpilot.cli.sim_support import (
     HELP_SESSIONS,
     default_miniswe_dir,
     jsonable,
-    progress,
     resolve_trace_paths,
     tokenizer_from,
     write_figures,
 )
+from kvpilot.cli.sim_support import progress as _progress
 from kvpilot.errors import ConfigError, KvpilotError
 from kvpilot.units import parse_bytes, parse_duration
 
@@ -118,16 +118,30 @@ def sim(
     """Simulate agent serving on virtual time with the engine's own scheduler and memory."""
     import dataclasses
 
+    from rich.console import Console
+
+    from kvpilot.cli import model_geometry
     from kvpilot.engine.config import EngineConfig
     from kvpilot.sim.build import SimSetup, run_simulation
-    from kvpilot.sim.policies import DEFAULT_COMPARISON
+    from kvpilot.sim.policies import DEFAULT_COMPARISON, resolve_policy
     from kvpilot.sim.replay import ReplayOptions, load_replay
     from kvpilot.sim.report import print_comparison, print_result
     from kvpilot.sim.workload import WorkloadConfig
+    from kvpilot.sizing.hardware import parse_node
 
     console = Console(stderr=as_json)
     try:
-        seconds = parse_duration(duration, "--duration")
+        # Validate first: a bad name fails here, not after minutes of loading or simulating.
+        model_geometry(model, kv_dtype, weights_dtype)
+        for_flag("--node", partial(parse_node, node))
+        names = [policy]
+        if compare_policies:
+            chosen = policies.split(",") if policies else list(DEFAULT_COMPARISON)
+            names = list(dict.fromkeys([policy, *(p.strip() for p in chosen if p.strip())]))
+        flag = "--policies" if compare_policies and policies else "--policy"
+        for name in names:
+            for_flag(flag, partial(resolve_policy, name))
+        seconds = for_flag("--duration", partial(parse_duration, duration, "--duration"))
         setup = SimSetup(
             model=model,
             node=node,
@@ -182,13 +196,10 @@ def sim(
             load = WorkloadConfig.from_yaml(workload) if workload else WorkloadConfig.default()
             if seed is not None:
                 load = dataclasses.replace(load, seed=seed)
-        names = [policy]
-        if compare_policies:
-            chosen = policies.split(",") if policies else list(DEFAULT_COMPARISON)
-            names = list(dict.fromkeys([policy, *(p.strip() for p in chosen if p.strip())]))
         results = []
-        for name in names:
-            with progress(console, seconds, name, quiet=as_json) as update:
+        for k, name in enumerate(names, 1):
+            label = f"policy {k}/{len(names)}: {name}" if len(names) > 1 else name
+            with _progress(console, seconds, label, quiet=as_json) as update:
                 results.append(
                     run_simulation(
                         setup,
@@ -236,6 +247,9 @@ def calibrate(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Measure the real engine's per-step cost on this machine and fit a simulator profile."""
+    from rich.console import Console
+    from rich.progress import Progress
+
     from kvpilot.sim import calibrate as cal
     from kvpilot.sim.replay import ReplayOptions, load_replay
 
@@ -325,6 +339,8 @@ def trace_analyze(
     turns: Annotated[bool, typer.Option(help="Also print every call.")] = False,
 ) -> None:
     """Diagnose a trace's prefix reuse: hits vs ideal, where prompts diverge, tool waits."""
+    from rich.console import Console
+
     from kvpilot.trace.analyze import (
         DEFAULT_ZONES,
         diagnose,

@@ -1,5 +1,5 @@
 """What `kvpilot sim` and `kvpilot calibrate` share: trace paths, replay limits, progress,
-figures."""
+figures. Cheap to import (rich, numpy and matplotlib load inside the functions)."""
 
 from __future__ import annotations
 
@@ -7,12 +7,12 @@ import json
 import math
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
-
-from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+from typing import TYPE_CHECKING, Any
 
 from kvpilot.errors import ConfigError
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 MINISWE_RELATIVE = Path("traces") / "lmcache-agent-trace" / "miniswe"
 
@@ -67,6 +67,8 @@ class progress:
     """A rich progress bar over simulated seconds (a no-op when quiet)."""
 
     def __init__(self, console: Console, total_s: float, label: str, quiet: bool) -> None:
+        from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
         self.quiet = quiet
         self.total = total_s
         self.bar = Progress(

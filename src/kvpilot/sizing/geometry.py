@@ -51,9 +51,7 @@ def normalize_dtype(name: str) -> str:
     """Canonical KV dtype name (bf16, fp16, fp32, fp8) for any common spelling."""
     key = _DTYPE_ALIASES.get(name.strip().lower().removeprefix("torch."))
     if key not in DTYPE_BYTES:
-        raise ConfigError(
-            f"unknown KV dtype {name!r} (--kv-dtype): use one of {', '.join(DTYPE_BYTES)}"
-        )
+        raise ConfigError(f"unknown KV dtype {name!r}: use one of {', '.join(DTYPE_BYTES)}")
     return key
 
 
@@ -62,8 +60,7 @@ def normalize_weight_dtype(name: str) -> str:
     key = _DTYPE_ALIASES.get(name.strip().lower().removeprefix("torch."))
     if key is None:
         raise ConfigError(
-            f"unknown weights dtype {name!r} (--weights-dtype): use one of "
-            f"{', '.join(WEIGHT_DTYPE_BYTES)}"
+            f"unknown weights dtype {name!r}: use one of {', '.join(WEIGHT_DTYPE_BYTES)}"
         )
     return key
 
@@ -304,7 +301,7 @@ def resolve_geometry(
             raise ConfigError(f"{exc} (or use a preset: {', '.join(PRESETS)})") from exc
     else:
         raise ConfigError(
-            f"unknown model {str(name_or_path)!r} (--model): use a preset ({', '.join(PRESETS)}) "
+            f"unknown model {str(name_or_path)!r}: use a preset ({', '.join(PRESETS)}) "
             f"or a path to a Hugging Face config.json or a folder holding one"
         )
     if kv_dtype is not None:

@@ -225,7 +225,7 @@ def resolve_accelerator(name: str) -> Accelerator:
     key = _ALIASES.get(key, key)
     if key not in ACCELERATORS:
         raise ConfigError(
-            f"unknown accelerator {name!r} (--node): use one of {', '.join(ACCELERATORS)} "
+            f"unknown accelerator {name!r}: use one of {', '.join(ACCELERATORS)} "
             f"(optionally as COUNTxNAME, e.g. 8xh100)"
         )
     return ACCELERATORS[key]
