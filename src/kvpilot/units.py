@@ -8,7 +8,6 @@ import re
 from kvpilot.errors import ConfigError
 
 _UNITS: dict[str, int] = {
-    "": 1,
     "b": 1,
     "kb": 10**3,
     "mb": 10**6,
@@ -19,16 +18,29 @@ _UNITS: dict[str, int] = {
     "gib": 1 << 30,
     "tib": 1 << 40,
 }
+_UNIT_NAMES = "B, KB, MB, GB, TB (decimal) or KiB, MiB, GiB, TiB (binary)"
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
 
 
-def parse_bytes(text: str) -> float:
-    """'20GB' -> 2e10, '2.5GiB' -> 2.5 * 2**30, '640KiB', '64GB/s' (bandwidth), '1024' (bytes)."""
+def parse_bytes(text: str, what: str = "size") -> float:
+    """'20GB' -> 2e10, '2.5GiB' -> 2.5 * 2**30, '640KiB', '64GB/s' (a bandwidth), '512B'.
+
+    The one parser of sizes: a bare number is an error, because "80" could be bytes or
+    gigabytes and "80GB" and "80GiB" differ by 7%. ``what`` names the option in messages.
+    """
     match = _SIZE_RE.match(text.removesuffix("/s").removesuffix("ps"))
+    if match is not None and not match.group(2) and float(match.group(1)) == 0:
+        return 0.0  # nothing is nothing in every unit
+    if match is not None and not match.group(2):
+        raise ConfigError(
+            f"{what} {text!r} has no unit: write e.g. {match.group(1)}GB or "
+            f"{match.group(1)}GiB (units: {_UNIT_NAMES})"
+        )
     unit = match.group(2).lower() if match else ""
     if match is None or unit not in _UNITS:
         raise ConfigError(
-            f"cannot read size {text!r}: write a number with a unit, e.g. 20GB, 2.5GiB, 640KiB"
+            f"cannot read {what} {text!r}: write a number with a unit, e.g. 20GB, 2.5GiB, "
+            f"640KiB (units: {_UNIT_NAMES})"
         )
     return float(match.group(1)) * _UNITS[unit]
 
@@ -37,14 +49,14 @@ _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|min|h|d)?\s*$", re.IGNORE
 _DURATION_UNITS = {"ms": 1e-3, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0, "d": 86400.0}
 
 
-def parse_duration(text: str) -> float:
-    """Seconds from "3600", "90s", "30m", "1.5h" or "1d"."""
+def parse_duration(text: str, what: str = "duration") -> float:
+    """Seconds from "3600", "90s", "30m", "1.5h" or "1d" (a bare number is seconds)."""
     match = _DURATION.match(text)
     if match is None:
-        raise ConfigError(f"cannot read duration {text!r}: write e.g. 3600, 90s, 30m, 1h")
+        raise ConfigError(f"cannot read {what} {text!r}: write e.g. 3600, 90s, 30m, 1h")
     value = float(match.group(1)) * _DURATION_UNITS[(match.group(2) or "s").lower()]
     if value <= 0:
-        raise ConfigError(f"duration must be positive, got {text!r}")
+        raise ConfigError(f"{what} must be positive, got {text!r}")
     return value
 
 

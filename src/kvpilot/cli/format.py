@@ -11,6 +11,8 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from kvpilot.units import format_bytes
+
 if TYPE_CHECKING:
     from kvpilot.sizing.frag_lab import FragReport, ScenarioResult
     from kvpilot.sizing.plan import Plan
@@ -50,6 +52,24 @@ def render_plan(plan: Plan, console: Console) -> None:
         f"[bold]{plan.model}[/] on [bold]{plan.node}[/], TP {b.tp}{replicas} · "
         f"weights {plan.weight_dtype}, KV {plan.kv_dtype}"
     )
+    console.print(f"{plan.tp_reason}; {b.replicas} replica(s) on {b.devices} devices")
+    limit = f"; context limit {plan.max_context_tokens:,} tokens" if plan.max_context_tokens else ""
+    console.print(f"{plan.layers}{limit}")
+    console.print(
+        f"KV per token (eq. 1, whole model): [bold]{f.model_bytes:,} B[/]"
+        + (f"; {f.device_bytes:,} B on each of the TP {b.tp} devices" if b.tp > 1 else "")
+    )
+    if f.window_cap_model_bytes or f.state_model_bytes:
+        parts = [f"full-attention layers {f.full_model_bytes:,} B per token"]
+        if f.window_cap_model_bytes:
+            parts.append(
+                f"window layers at most {format_bytes(f.window_cap_model_bytes)} per sequence"
+            )
+        if f.state_model_bytes:
+            parts.append(f"linear layers {format_bytes(f.state_model_bytes)} of state per sequence")
+        console.print("hybrid: " + ", ".join(parts) + " (capacity below counts it this way)")
+    for warning in plan.warnings:
+        console.print(f"[yellow]warning:[/] {warning}")
 
     memory = Table(title="Memory (eq. 3-5)", title_justify="left", box=box.SIMPLE_HEAD)
     memory.add_column("")
@@ -94,13 +114,13 @@ def render_plan(plan: Plan, console: Console) -> None:
     )
     for name in ("block (tokens)", "block (KiB)", "blocks", "tokens", "tail waste (%)"):
         blocks.add_column(name, justify="right")
-    for row in plan.blocks:
+    for block_row in plan.blocks:
         blocks.add_row(
-            f"{row.block_size}",
-            f"{row.block_bytes / 1024:,.0f}",
-            f"{row.num_blocks:,}",
-            f"{row.token_capacity:,}",
-            _pct(row.tail_waste_fraction, 2),
+            f"{block_row.block_size}",
+            f"{block_row.block_bytes / 1024:,.0f}",
+            f"{block_row.num_blocks:,}",
+            f"{block_row.token_capacity:,}",
+            _pct(block_row.tail_waste_fraction, 2),
         )
     console.print(blocks)
 
@@ -114,19 +134,19 @@ def render_plan(plan: Plan, console: Console) -> None:
     )
     for name in ("tokens", "KV\n(GB)", "reload\n(ms)", "recompute\n(s)", "held\n(GB·s)", "action"):
         pause.add_column(name, justify="left" if name == "action" else "right", no_wrap=True)
-    for row in plan.pauses:
-        d = row.decision
+    for pause_row in plan.pauses:
+        d = pause_row.decision
         pause.add_row(
-            f"{row.context_tokens:,}",
-            _gb(row.kv_bytes),
+            f"{pause_row.context_tokens:,}",
+            _gb(pause_row.kv_bytes),
             _ms(d.reload_s),
             f"{d.recompute_s:,.2f}",
             f"{d.held_gb_s:,.0f}",
             d.action.label.lower(),
         )
     console.print(pause)
-    for row in plan.pauses:
-        console.print(f"{row.context_tokens:,} tokens: {row.decision.reason}")
+    for pause_row in plan.pauses:
+        console.print(f"{pause_row.context_tokens:,} tokens: {pause_row.decision.reason}")
 
 
 FRAG_COLUMNS = ("alloc. eff. %", "ext. frag. %", "effective eff. %")

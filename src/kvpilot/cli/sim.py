@@ -5,59 +5,38 @@ Registered in `kvpilot.cli` with one line each::
     app.command()(sim)
     app.command()(calibrate)
     trace_app.command("analyze")(trace_analyze)   # trace_app: typer.Typer(), added as "trace"
+
+Sizes carry units (``--reserve 2.5GB``, ``--host-kv 64GiB``); the engine knobs are named as
+in ``kvpilot serve`` (``--block-size``, ``--max-batched-tokens``, ``--tau-high``); the replay
+limits (``--sessions``, ``--calls``, ``--max-call-tokens``, ``--head-tokens``,
+``--max-output-tokens``) are the same on ``sim`` and ``calibrate``.
 """
 
 from __future__ import annotations
 
 import json
-import math
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import Annotated, Any
 
 import typer
 
 from kvpilot.cli.checks import for_flag
+from kvpilot.cli.sim_support import (
+    HELP_CALLS,
+    HELP_HEAD_TOKENS,
+    HELP_MAX_CALL_TOKENS,
+    HELP_MAX_OUTPUT_TOKENS,
+    HELP_SESSIONS,
+    default_miniswe_dir,
+    jsonable,
+    resolve_trace_paths,
+    tokenizer_from,
+    write_figures,
+)
+from kvpilot.cli.sim_support import progress as _progress
 from kvpilot.errors import ConfigError, KvpilotError
-from kvpilot.units import parse_duration
-
-if TYPE_CHECKING:
-    from rich.console import Console
-
-MINISWE_RELATIVE = Path("traces") / "lmcache-agent-trace" / "miniswe"
-
-
-def default_miniswe_dir() -> Path | None:
-    """``../shared/traces/lmcache-agent-trace/miniswe`` next to the repository, if present."""
-    root = Path(__file__).resolve().parents[3]
-    for base in (root.parent / "shared", root / "shared"):
-        if (base / MINISWE_RELATIVE).is_dir():
-            return base / MINISWE_RELATIVE
-    return None
-
-
-def resolve_trace_paths(paths: list[str]) -> list[Path]:
-    out = []
-    for p in paths:
-        if p.lower() == "miniswe":
-            found = default_miniswe_dir()
-            if found is None:
-                raise ConfigError(
-                    "no miniswe traces next to the repository (../shared/traces/"
-                    "lmcache-agent-trace/miniswe); give the folder's path instead"
-                )
-            out.append(found)
-        else:
-            out.append(Path(p))
-    return out
-
-
-def _tokenizer(path: str | None) -> Any:
-    if path is None:
-        return None
-    from kvpilot.sim.calibrate import tokenizer_of
-
-    return tokenizer_of(path)
+from kvpilot.units import parse_bytes, parse_duration
 
 
 def _fail(exc: KvpilotError) -> typer.Exit:
@@ -68,7 +47,16 @@ def _fail(exc: KvpilotError) -> typer.Exit:
 def sim(
     model: Annotated[str, typer.Option(help="Model preset or config.json path.")] = "llama-3-70b",
     node: Annotated[str, typer.Option(help="COUNTxACCELERATOR, e.g. 8xh100.")] = "8xh100",
-    tp: Annotated[int | None, typer.Option(help="Tensor parallel degree (default: all).")] = None,
+    tp: Annotated[
+        int | None,
+        typer.Option(help="Tensor parallel degree (default: the smallest that fits, as plan)."),
+    ] = None,
+    kv_dtype: Annotated[
+        str | None, typer.Option(help="KV cache dtype: bf16, fp16, fp8, fp32.")
+    ] = None,
+    weights_dtype: Annotated[
+        str | None, typer.Option(help="Weights dtype: bf16, fp16, fp8, int8, int4.")
+    ] = None,
     workload: Annotated[
         Path | None, typer.Option(help="Agent workload YAML (default: built-in agent mix).")
     ] = None,
@@ -90,24 +78,34 @@ def sim(
     kv_blocks: Annotated[
         int | None, typer.Option(help="KV pool blocks (default: what plan leaves).")
     ] = None,
-    reserve_gb: Annotated[float, typer.Option(help="Runtime reserve per device (GB).")] = 2.5,
-    host_kv_gb: Annotated[
-        float | None,
-        typer.Option(help="Host KV tier per device (GB; default half its host memory; 0: none)."),
+    reserve: Annotated[str, typer.Option(help="Runtime reserve per device, e.g. 2.5GB.")] = "2.5GB",
+    host_kv: Annotated[
+        str | None,
+        typer.Option(
+            help="Host KV tier per device, e.g. 64GiB (default: half its host memory; 0: none)."
+        ),
     ] = None,
     mfu: Annotated[float, typer.Option(help="Achieved fraction of peak FLOP/s.")] = 0.5,
     hbm_efficiency: Annotated[float, typer.Option(help="Achieved fraction of HBM BW.")] = 0.8,
-    step_overhead_ms: Annotated[float, typer.Option(help="Fixed host cost per step.")] = 1.0,
+    step_overhead: Annotated[str, typer.Option(help="Fixed host cost per step, e.g. 1ms.")] = "1ms",
     profile: Annotated[
         Path | None, typer.Option(help="Step profile from `kvpilot calibrate` (not roofline).")
     ] = None,
+    block_size: Annotated[int, typer.Option(help="Tokens per KV block (a power of two).")] = 16,
     max_num_seqs: Annotated[int, typer.Option(help="Running sequences at most.")] = 256,
     max_batched_tokens: Annotated[int, typer.Option(help="Token budget per step.")] = 2048,
     prefill_chunk: Annotated[int, typer.Option(help="Prefill chunk per sequence.")] = 512,
     tau_high: Annotated[float, typer.Option(help="Admission ceiling on KV usage.")] = 0.9,
-    max_model_len: Annotated[int, typer.Option(help="Model context length.")] = 131072,
-    sample_interval: Annotated[float, typer.Option(help="Telemetry sample period (s).")] = 1.0,
+    max_model_len: Annotated[
+        int | None, typer.Option(help="Context length (default: the model's own limit).")
+    ] = None,
+    sample_interval: Annotated[str, typer.Option(help="Telemetry sample period, e.g. 1s.")] = "1s",
     time_scale: Annotated[float, typer.Option(help="Replay: scale trace timestamps.")] = 1.0,
+    sessions: Annotated[int | None, typer.Option(help=HELP_SESSIONS)] = None,
+    calls: Annotated[int | None, typer.Option(help=HELP_CALLS)] = None,
+    max_call_tokens: Annotated[int | None, typer.Option(help=HELP_MAX_CALL_TOKENS)] = None,
+    head_tokens: Annotated[int | None, typer.Option(help=HELP_HEAD_TOKENS)] = None,
+    max_output_tokens: Annotated[int | None, typer.Option(help=HELP_MAX_OUTPUT_TOKENS)] = None,
     tokenizer: Annotated[
         str | None, typer.Option(help="Replay: tokenizer folder (default: chars/token).")
     ] = None,
@@ -122,19 +120,19 @@ def sim(
 
     from rich.console import Console
 
+    from kvpilot.cli import model_geometry
     from kvpilot.engine.config import EngineConfig
     from kvpilot.sim.build import SimSetup, run_simulation
     from kvpilot.sim.policies import DEFAULT_COMPARISON, resolve_policy
     from kvpilot.sim.replay import ReplayOptions, load_replay
     from kvpilot.sim.report import print_comparison, print_result
     from kvpilot.sim.workload import WorkloadConfig
-    from kvpilot.sizing.geometry import resolve_geometry
     from kvpilot.sizing.hardware import parse_node
 
     console = Console(stderr=as_json)
     try:
         # Validate first: a bad name fails here, not after minutes of loading or simulating.
-        for_flag("--model", partial(resolve_geometry, model))
+        model_geometry(model, kv_dtype, weights_dtype)
         for_flag("--node", partial(parse_node, node))
         names = [policy]
         if compare_policies:
@@ -143,19 +141,22 @@ def sim(
         flag = "--policies" if compare_policies and policies else "--policy"
         for name in names:
             for_flag(flag, partial(resolve_policy, name))
-        seconds = for_flag("--duration", partial(parse_duration, duration))
+        seconds = for_flag("--duration", partial(parse_duration, duration, "--duration"))
         setup = SimSetup(
             model=model,
             node=node,
             tp=tp,
+            kv_dtype=kv_dtype,
+            weights_dtype=weights_dtype,
             kv_blocks=kv_blocks,
-            reserve_bytes_per_device=reserve_gb * 1e9,
-            host_kv_bytes_per_device=None if host_kv_gb is None else host_kv_gb * 1e9,
+            reserve_bytes_per_device=parse_bytes(reserve, "--reserve"),
+            host_kv_bytes_per_device=None if host_kv is None else parse_bytes(host_kv, "--host-kv"),
             mfu=mfu,
             hbm_efficiency=hbm_efficiency,
-            step_overhead_s=step_overhead_ms / 1e3,
+            step_overhead_s=parse_duration(step_overhead, "--step-overhead"),
             profile=profile,
             engine=EngineConfig(
+                block_size=block_size,
                 max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=max_batched_tokens,
                 max_prefill_chunk=prefill_chunk,
@@ -163,16 +164,27 @@ def sim(
             ),
             max_model_len=max_model_len,
             duration_s=seconds,
-            sample_interval_s=sample_interval,
+            sample_interval_s=parse_duration(sample_interval, "--sample-interval"),
         )
+        setup.tp_degree()  # a bad --model, --node or --tp fails here, before any work
+        limits = ReplayOptions(
+            max_sessions=sessions,
+            max_calls=calls,
+            max_call_tokens=max_call_tokens,
+            head_tokens=head_tokens,
+            max_output_tokens=max_output_tokens,
+        )
+        if not trace and limits.describe() != "no limits":
+            raise ConfigError(f"{limits.describe()}: replay limits apply to --trace replays")
         vocab = 32000
         load: WorkloadConfig | list[Any]
         if trace:
             load = load_replay(
                 resolve_trace_paths(trace),
-                ReplayOptions(
+                dataclasses.replace(
+                    limits,
                     vocab_size=vocab,
-                    tokenize=_tokenizer(tokenizer),
+                    tokenize=tokenizer_from(tokenizer),
                     chars_per_token=chars_per_token,
                     hash_block_tokens=hash_block_tokens,
                     timestamp_unit=timestamp_unit,
@@ -198,90 +210,18 @@ def sim(
                         on_progress=update,
                     )
                 )
+        if out is not None:
+            write_figures(out, setup, results, console)
     except KvpilotError as exc:
         raise _fail(exc) from exc
-    if out is not None:
-        _write_figures(out, setup, results, console)
     if as_json:
         payload: Any = [r.summary() for r in results]
-        typer.echo(json.dumps(payload[0] if len(payload) == 1 else payload, default=_jsonable))
+        typer.echo(json.dumps(payload[0] if len(payload) == 1 else payload, default=jsonable))
         return
     for r in results:
         print_result(console, r)
     if len(results) > 1:
         print_comparison(console, results)
-
-
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, float) and math.isnan(value):
-        return None
-    return str(value)
-
-
-class _progress:
-    """A rich progress bar over simulated seconds (a no-op when quiet)."""
-
-    def __init__(self, console: Console, total_s: float, label: str, quiet: bool) -> None:
-        from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
-
-        self.quiet = quiet
-        self.total = total_s
-        self.bar = Progress(
-            TextColumn(f"[bold]sim {label}"),
-            BarColumn(),
-            TextColumn("{task.completed:,.0f}/{task.total:,.0f} s simulated"),
-            TimeRemainingColumn(),
-            console=console,
-            transient=True,
-        )
-        self.task = self.bar.add_task(label, total=total_s)
-
-    def __enter__(self) -> Any:
-        if self.quiet:
-            return None
-        self.bar.start()
-        return lambda now: self.bar.update(self.task, completed=min(now, self.total))
-
-    def __exit__(self, *exc: object) -> None:
-        if not self.quiet:
-            self.bar.stop()
-
-
-def _write_figures(out: Path, setup: Any, results: list[Any], console: Console) -> None:
-    from kvpilot.sim import plots
-
-    out.mkdir(parents=True, exist_ok=True)
-    first = results[0]
-    written = [
-        plots.plot_kv_usage(first, out / "kv_usage.png", setup.engine.tau_high),
-        plots.plot_latency(first, out / "latency.png"),
-    ]
-    if len(results) > 1:
-        written.append(plots.plot_policy_comparison(results, out / "policies.png"))
-        for r in results[1:]:
-            written.append(
-                plots.plot_kv_usage(r, out / f"kv_usage-{r.label}.png", setup.engine.tau_high)
-            )
-    if setup.profile is None:
-        geometry, node_obj = setup.geometry(), setup.parsed_node()
-        written.append(
-            plots.plot_breakeven(geometry, node_obj, setup.tp_degree(), out / "breakeven.png")
-        )
-        peak = float(first.samples["resident"].max()) if len(first.samples["resident"]) else 0.0
-        written.append(
-            plots.plot_capacity(
-                geometry,
-                [node_obj],
-                out / "capacity.png",
-                reserve_bytes_per_device=setup.reserve_bytes_per_device,
-                observed={f"sim peak holding KV ({first.label})": peak} if peak else None,
-            )
-        )
-    (out / "summary.json").write_text(
-        json.dumps([r.summary() for r in results], indent=2, default=_jsonable) + "\n"
-    )
-    for path in written:
-        console.print(f"wrote {path}")
 
 
 def calibrate(
@@ -293,10 +233,17 @@ def calibrate(
     quick: Annotated[bool, typer.Option(help="Fewer batches (a rougher fit).")] = False,
     threads: Annotated[int, typer.Option(help="Torch CPU threads while measuring.")] = 1,
     check: Annotated[
-        bool, typer.Option(help="Replay miniswe on both and compare (needs the traces).")
+        bool, typer.Option(help="Replay a trace on both and compare (default: miniswe).")
     ] = True,
     trace: Annotated[list[str] | None, typer.Option(help="Trace for --check.")] = None,
-    sessions: Annotated[int, typer.Option(help="--check: sessions replayed.")] = 2,
+    sessions: Annotated[int | None, typer.Option(help=HELP_SESSIONS)] = 2,
+    calls: Annotated[int | None, typer.Option(help=HELP_CALLS)] = None,
+    max_call_tokens: Annotated[
+        int | None,
+        typer.Option(help=HELP_MAX_CALL_TOKENS + " Default: the model's limit less the output."),
+    ] = None,
+    head_tokens: Annotated[int | None, typer.Option(help=HELP_HEAD_TOKENS)] = None,
+    max_output_tokens: Annotated[int | None, typer.Option(help=HELP_MAX_OUTPUT_TOKENS)] = 32,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Measure the real engine's per-step cost on this machine and fit a simulator profile."""
@@ -308,6 +255,17 @@ def calibrate(
 
     console = Console(stderr=as_json)
     try:
+        paths = resolve_trace_paths(trace) if trace else None
+        if check and paths is None and default_miniswe_dir() is not None:
+            paths = [default_miniswe_dir()]  # type: ignore[list-item]
+        limits = ReplayOptions(
+            max_sessions=sessions,
+            max_calls=calls,
+            max_call_tokens=max_call_tokens,
+            head_tokens=head_tokens,
+            max_output_tokens=max_output_tokens,
+            min_calls=3,
+        )
         with Progress(console=console, transient=True, disable=as_json) as bar:
             task = bar.add_task("calibrating", total=None)
             profile = cal.calibrate(
@@ -319,20 +277,21 @@ def calibrate(
             )
         profile.save(out)
         result: dict[str, Any] = {"profile": str(out), **profile.to_json()}
-        paths = resolve_trace_paths(trace) if trace else None
-        if check and paths is None and default_miniswe_dir() is not None:
-            paths = [default_miniswe_dir()]  # type: ignore[list-item]
         if check and paths:
+            cap = max_call_tokens
+            if cap is None and profile.max_model_len:
+                cap = profile.max_model_len - (max_output_tokens or 1)
             replay = load_replay(
                 paths,
                 ReplayOptions(
                     vocab_size=32000,
                     tokenize=cal.tokenizer_of(model),
-                    head_tokens=1024,
-                    max_call_tokens=2048,
-                    max_output_tokens=32,
-                    max_sessions=sessions,
-                    min_calls=3,
+                    max_output_tokens=limits.max_output_tokens,
+                    head_tokens=limits.head_tokens,
+                    max_call_tokens=cap,
+                    max_sessions=limits.max_sessions,
+                    max_calls=limits.max_calls,
+                    min_calls=limits.min_calls,
                 ),
             )
             outcome = cal.check_replay(profile, replay, model=model, kv_blocks=kv_blocks)
@@ -349,15 +308,17 @@ def calibrate(
         f"{coeffs['decode_seqs'] * 1e6:.1f} us/decode + "
         f"{coeffs['kv_read_tokens'] * 1e9:.1f} ns/KV token read + "
         f"{coeffs['attention_pairs'] * 1e9:.2f} ns/attention pair "
-        f"({profile.samples} steps, R^2 {profile.r2:.3f}, "
-        f"median error {profile.median_rel_error:.1%})"
+        f"({profile.samples} steps up to {profile.max_context_tokens:,} tokens of context, "
+        f"R^2 {profile.r2:.3f}, median error {profile.median_rel_error:.1%})"
     )
     if "check" in result:
         c = result["check"]
         console.print(
-            f"replay check ({c['calls']} calls): real {c['real_tokens_per_s']:,.0f} tok/s, "
+            f"replay check ({c['calls']} calls, prompts {c['prompt_tokens_min']:,}-"
+            f"{c['prompt_tokens_max']:,} tokens): real {c['real_tokens_per_s']:,.0f} tok/s, "
             f"simulated {c['sim_tokens_per_s']:,.0f} tok/s (error {c['throughput_error']:.1%}); "
-            f"hit rate real {c['real_hit_rate']:.1%}, simulated {c['sim_hit_rate']:.1%}"
+            f"hit rate real {c['real_hit_rate']:.1%}, simulated {c['sim_hit_rate']:.1%} "
+            f"(CPU time)"
         )
 
 
@@ -392,7 +353,7 @@ def trace_analyze(
     try:
         calls = load_trace_inputs(
             files,
-            tokenize=_tokenizer(tokenizer),
+            tokenize=tokenizer_from(tokenizer),
             chars_per_token=chars_per_token,
             hash_block_tokens=hash_block_tokens,
             timestamp_unit=timestamp_unit,

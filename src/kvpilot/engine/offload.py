@@ -341,6 +341,16 @@ class OffloadManager:
         live = [t.at for t in self._timers if not t.cancelled]
         return min(live) if live else None
 
+    def next_poll_at(self) -> float:
+        """With no copy in flight, the earliest clock time at which `poll` does anything (a
+        timer, an idle memory-time sample): polls before it change nothing (decode runs
+        skip them)."""
+        timer = self.next_event_at()
+        when = math.inf if timer is None else timer
+        if self.mover.transport is not None or self.records:
+            when = min(when, self._held_sample[0] + IDLE_SAMPLE_S)
+        return when
+
     def forget(self, session: Session) -> None:
         self._cancel_timers(session.session_id)
         self.records.pop(session.session_id, None)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvpilot.engine.config import EngineConfig
 from kvpilot.errors import ConfigError
@@ -69,6 +70,7 @@ def apply_policy(policy: SimPolicy, config: EngineConfig) -> tuple[EngineConfig,
     if policy.engine_overrides.get("pause_policy") == "offload-disk":
         note = "the simulator has no disk tier: offload-disk decisions fall back as the engine does"
     try:
-        return dataclasses.replace(config, **policy.engine_overrides), note
+        overrides: dict[str, Any] = dict(policy.engine_overrides)
+        return dataclasses.replace(config, **overrides), note
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"policy {policy.name!r} does not apply to this engine: {exc}") from exc

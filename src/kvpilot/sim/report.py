@@ -57,6 +57,7 @@ class SimResult:
     samples: dict[str, np.ndarray]
     note: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    warnings: tuple[str, ...] = ()
 
     @classmethod
     def collect(
@@ -71,6 +72,7 @@ class SimResult:
         replicas: int,
         cost_model: str,
         note: str | None = None,
+        warnings: tuple[str, ...] = (),
     ) -> SimResult:
         engine: Engine = sim.engine
         runner = engine.executor
@@ -112,6 +114,7 @@ class SimResult:
             samples=sim.samples.as_arrays(),
             note=note,
             extra=tier_figures(engine),
+            warnings=warnings,
         )
 
     # -- derived figures -----------------------------------------------------------------
@@ -160,6 +163,7 @@ class SimResult:
             "block_size": self.block_size,
             "cost_model": self.cost_model,
             "note": self.note,
+            "warnings": list(self.warnings),
             "duration_s": self.duration_s,
             "wall_s": self.wall_s,
             "sim_s_per_wall_s": self.sim_s_per_wall_s,
@@ -320,6 +324,8 @@ def print_result(console: Console, r: SimResult) -> None:
     console.print(table)
     if r.note:
         console.print(f"[yellow]note:[/yellow] {r.note}")
+    for warning in r.warnings:
+        console.print(f"[yellow]warning:[/yellow] {warning}")
 
 
 def print_comparison(console: Console, results: Sequence[SimResult]) -> None:
