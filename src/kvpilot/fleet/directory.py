@@ -104,18 +104,22 @@ class PrefixDirectory:
     # -- feeding --------------------------------------------------------------------------
 
     def apply(self, replica: str, batch: EventBatch) -> bool:
-        """Apply a batch; False (nothing applied) when it does not continue this replica's
-        stream: the caller must `load_snapshot`."""
+        """Apply a batch (events already applied are skipped); False, with nothing applied,
+        when it does not continue this replica's stream (another epoch, or a gap): the
+        caller must `load_snapshot`."""
         state = self._replicas[replica]
         if batch.epoch != state.epoch:
             return False
-        if batch.events:
-            if batch.events[0].seq != state.last_seq + 1:
-                return False
-        elif batch.last_seq != state.last_seq:
-            return False
+        if batch.last_seq <= state.last_seq:
+            return True  # late: a snapshot or an earlier batch covered all of it
+        if batch.first_seq > state.last_seq + 1:
+            return False  # a gap: events were lost between the last batch and this one
         bit = state.bit
+        applied = 0
         for event in batch.events:
+            if event.seq <= state.last_seq:
+                continue  # already covered (by a snapshot, or an earlier batch)
+            applied += 1
             t = _INDEX[event.tier]
             owned = state.owned[t]
             hashes = event.hashes
@@ -125,7 +129,7 @@ class PrefixDirectory:
             else:
                 self._drop(keys, t, bit, owned)
             state.last_seq = event.seq
-        self.events_applied += len(batch.events)
+        self.events_applied += applied
         return True
 
     def load_snapshot(self, replica: str, snapshot: ReplicaSnapshot) -> None:
