@@ -126,8 +126,9 @@ class KVEventLog:
         oldest = self._events[0].seq if self._events else self.seq + 1
         if after_seq + 1 < oldest:
             return None
-        skip = after_seq + 1 - oldest
-        events = tuple(itertools.islice(self._events, skip, None))
+        # The newest events sit at the right end: walk back only over the ones asked for.
+        wanted = self.seq - after_seq
+        events = tuple(reversed(tuple(itertools.islice(reversed(self._events), wanted))))
         return EventBatch(self.epoch, self.seq, events)
 
     def snapshot(self, key_space_id: str) -> ReplicaSnapshot:

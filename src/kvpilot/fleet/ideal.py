@@ -18,6 +18,7 @@ class IdealCache:
         self.space = space or KeySpace()
         self._keys = PromptKeyCache(self.space)
         self._seen: set[bytes] = set()
+        self._added: dict[str, int] = {}  # per session: bytes of keys already added
 
     def lookup(
         self, tokens: Sequence[int], salt: str | None = None, session: str | None = None
@@ -30,13 +31,18 @@ class IdealCache:
         n = 0
         while n < usable and keys[n * HASH_BYTES : (n + 1) * HASH_BYTES] in seen:
             n += 1
-        self._add(keys)
+        self._add(keys, session)
         return n * self.space.block_size
 
     def add(
         self, tokens: Sequence[int], salt: str | None = None, session: str | None = None
     ) -> None:
-        self._add(self._keys.keys(tokens, salt, session))
+        self._add(self._keys.keys(tokens, salt, session), session)
 
-    def _add(self, keys: bytes) -> None:
-        self._seen.update(keys[i : i + HASH_BYTES] for i in range(0, len(keys), HASH_BYTES))
+    def _add(self, keys: bytes, session: str | None) -> None:
+        start = 0
+        if session is not None:
+            done = self._added.get(session, 0)
+            start = done if done <= len(keys) else 0
+            self._added[session] = len(keys)
+        self._seen.update(keys[i : i + HASH_BYTES] for i in range(start, len(keys), HASH_BYTES))

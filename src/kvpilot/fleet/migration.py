@@ -1,7 +1,8 @@
 """Whether a session leaves its overloaded home replica, priced by the break-even rule.
 
-A session's turns go home (where its KV is) unless home is overloaded
-(``L/L_max >= session_overload``). Then moving pays only if the queue it escapes is longer
+A session's turns go home (where its KV is) unless home is overloaded: its queued prompt
+tokens reach ``session_overload * L_max`` (held KV does not count here: a home full of
+its own sessions' state is doing its job). Then moving pays only if the queue it escapes is longer
 than the queue it joins plus the cost of rebuilding, on the target, the prefix that only
 home holds. That cost is the break-even rule's (`kvpilot.policy.breakeven`): recompute the
 missing tokens, or reload them from a disk tier the target can read (a shared folder),
@@ -17,7 +18,7 @@ import math
 from dataclasses import dataclass
 
 from kvpilot.fleet.load import ReplicaView
-from kvpilot.fleet.scoring import RouterConfig, load_ratio
+from kvpilot.fleet.scoring import RouterConfig
 from kvpilot.policy.breakeven import PauseAction, PauseInputs, decide_pause
 
 
@@ -49,7 +50,7 @@ def decide_migration(
     config: RouterConfig,
 ) -> MigrationDecision:
     """Should the session at ``home`` run this turn on ``target`` instead?"""
-    ratio = load_ratio(home, config)
+    ratio = home.load_tokens() / config.l_max_tokens
     load = target.load
     missing = max(0, int(home_match_tokens - target_match_tokens))
     blocks = -(-missing // max(1, load.block_size))
@@ -78,7 +79,7 @@ def decide_migration(
     if ratio < config.session_overload:
         return decision(
             False,
-            f"stay: home {home.name} is at {ratio:.2f} of L_max, under the overload "
+            f"stay: home {home.name} queues {ratio:.2f} of L_max, under the overload "
             f"threshold {config.session_overload:.2f}",
         )
     if home_wait <= target_wait + move_s:

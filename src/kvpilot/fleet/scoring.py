@@ -9,8 +9,10 @@ disk block by the fraction of its recompute time that reloading it saves,
 ``w_tier = max(0, 1 - reload_s / recompute_s)`` per block, from j's measured prefill rate
 and link bandwidths (disk reads come through host: ``min(B_link, B_disk)``).
 ``L_j`` is j's queued prompt work in tokens (reported waiting tokens plus what the router
-sent since), raised by KV pressure: past ``kv_soft`` of device KV held, admission will
-soon hold work back, so usage between ``kv_soft`` and 1 adds up to ``L_max`` more.
+sent since) plus the device KV its requests and sessions hold (``kv_weight * usage *
+L_max``: resident sessions are decode work to come), raised by KV pressure: past
+``kv_soft`` of device KV held, admission will soon hold work back, so usage between
+``kv_soft`` and 1 adds up to ``L_max`` more.
 """
 
 from __future__ import annotations
@@ -29,15 +31,17 @@ class RouterConfig:
 
     ``mu``: weight of the hit ratio against load, in [0, 1]. ``gamma``: how sharply load
     is penalised (>= 1: a convex penalty). ``l_max_tokens``: queued prompt tokens that count
-    as a full queue. ``kv_soft``: device KV usage from which memory pressure counts as
-    load. ``session_overload``: L/L_max past which a session's home replica is overloaded
-    and the session may migrate. ``shared_disk``: replicas read each other's disk tier, so
-    a migrating session's prefix may be reloaded instead of recomputed.
+    as a full queue. ``kv_weight``: how much held device KV (a fraction) counts as load.
+    ``kv_soft``: device KV usage from which memory pressure counts as extra load.
+    ``session_overload``: L/L_max past which a session's home replica is overloaded and the
+    session may migrate. ``shared_disk``: replicas read each other's disk tier, so a
+    migrating session's prefix may be reloaded instead of recomputed.
     """
 
     mu: float = 0.7
     gamma: float = 2.0
     l_max_tokens: float = 32768.0
+    kv_weight: float = 1.0
     kv_soft: float = 0.8
     session_overload: float = 1.0
     shared_disk: bool = False
@@ -49,6 +53,8 @@ class RouterConfig:
             raise ConfigError(f"router gamma must be a finite number >= 1, got {self.gamma}")
         if not self.l_max_tokens > 0 or math.isinf(self.l_max_tokens):
             raise ConfigError(f"router L_max must be a positive token count: {self.l_max_tokens}")
+        if not self.kv_weight >= 0 or math.isinf(self.kv_weight):
+            raise ConfigError(f"router kv_weight must be >= 0, got {self.kv_weight}")
         if not 0.0 <= self.kv_soft < 1.0:
             raise ConfigError(f"router kv_soft must be in [0, 1), got {self.kv_soft}")
         if not self.session_overload > 0:
@@ -79,9 +85,11 @@ def matched_tokens(match: TierMatch | None, load: ReplicaLoad) -> float:
 
 
 def load_ratio(view: ReplicaView, config: RouterConfig) -> float:
-    """L_j / L_max."""
-    pressure = max(0.0, view.load.kv_usage - config.kv_soft) / (1.0 - config.kv_soft)
-    return view.load_tokens() / config.l_max_tokens + pressure
+    """L_j / L_max: queued prompt tokens over L_max, plus the device KV held (a fraction),
+    weighted ``kv_weight``, plus the pressure past ``kv_soft``."""
+    usage = view.load.kv_usage
+    pressure = max(0.0, usage - config.kv_soft) / (1.0 - config.kv_soft)
+    return view.load_tokens() / config.l_max_tokens + config.kv_weight * usage + pressure
 
 
 def score(match_tokens: float, prompt_tokens: int, ratio: float, config: RouterConfig) -> float:
