@@ -2,13 +2,14 @@
 
 A session's turns go home (where its KV is) unless home is overloaded: its queued prompt
 tokens reach ``session_overload * L_max`` (held KV does not count here: a home full of
-its own sessions' state is doing its job). Then moving pays only if the queue it escapes is longer
-than the queue it joins plus the cost of rebuilding, on the target, the prefix that only
-home holds. That cost is the break-even rule's (`kvpilot.policy.breakeven`): recompute the
-missing tokens, or reload them from a disk tier the target can read (a shared folder),
-whichever the rule finds faster::
+its own sessions' state is doing its job). Then moving pays only if the queue it escapes
+is longer than the queue it joins plus the cost of rebuilding, on the target, the prefix
+that only home holds. That cost is the break-even rule's (`kvpilot.policy.breakeven`):
+recompute the missing tokens, or reload them from a disk tier the target can read (a
+shared folder), whichever the rule finds faster. It is paid twice: the session waits for
+its own rebuild, and so does everything queued behind it on the target::
 
-    migrate  iff  wait_home_s > wait_target_s + move_s,
+    migrate  iff  wait_home_s > wait_target_s + 2 * move_s,
     wait_s = L / prefill_rate,   move_s = min(recompute_s, disk_reload_s)
 """
 
@@ -82,12 +83,12 @@ def decide_migration(
             f"stay: home {home.name} queues {ratio:.2f} of L_max, under the overload "
             f"threshold {config.session_overload:.2f}",
         )
-    if home_wait <= target_wait + move_s:
+    if home_wait <= target_wait + 2 * move_s:
         return decision(
             False,
             f"stay: home {home.name} is overloaded ({ratio:.2f} of L_max) but its "
-            f"{home_wait:.2f} s queue beats {target.name}'s {target_wait:.2f} s plus "
-            f"{move_s:.2f} s to {via} {missing} tokens there",
+            f"{home_wait:.2f} s queue beats {target.name}'s {target_wait:.2f} s plus twice "
+            f"the {move_s:.2f} s to {via} {missing} tokens there",
         )
     return decision(
         True,
