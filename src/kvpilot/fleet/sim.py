@@ -390,6 +390,11 @@ class FleetSimulator:
 
     # -- results ------------------------------------------------------------------------
 
+    @property
+    def in_flight(self) -> int:
+        """Requests routed and not finished (at the end: cut off by the duration)."""
+        return len(self._pending)
+
     def computed_tokens(self) -> dict[str, int]:
         """Tokens each replica computed (prefill, recomputation included, and decode)."""
         out = {}
