@@ -79,7 +79,7 @@ class LocalFleet:
         for name in self.names:
             replica = EngineReplica(name, self.options)
             self.replicas[name] = replica
-            self.servers[name] = self._stack.enter_context(BackgroundServer(replica.app))
+            self.servers[name] = self._stack.enter_context(BackgroundServer(replica.http_app))
         first = next(iter(self.replicas.values()))
         config = FrontConfig(model=self.options.model, router=self.router, poll_interval_s=0.05)
         http = httpx.AsyncClient(transport=_Transport(self), base_url="http://fleet")

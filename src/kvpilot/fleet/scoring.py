@@ -43,7 +43,7 @@ class RouterConfig:
     l_max_tokens: float = 32768.0
     kv_weight: float = 1.0
     kv_soft: float = 0.8
-    session_overload: float = 4.0
+    session_overload: float = 8.0
     shared_disk: bool = False
 
     def __post_init__(self) -> None:

@@ -151,6 +151,18 @@ async def _whole(response: httpx.Response, replace: tuple[str, str] | None = Non
     )
 
 
+async def _session_gone(response: httpx.Response) -> bool:
+    """A 404 for a session the front knows: its replica lost it (it restarted). The response
+    is closed when it says so."""
+    if response.status_code != 404:
+        return False
+    data = await response.aread()
+    if b"session_not_found" not in data and b"was closed" not in data:
+        return False
+    await response.aclose()
+    return True
+
+
 def _json_body(raw: bytes) -> dict[str, Any] | None:
     try:
         body = json.loads(raw)
@@ -190,6 +202,7 @@ async def generate(front: FleetFront, request: Request, path: str) -> Response:
         cache_key=key if isinstance(key, str) else None,
     )
     tried: set[str] = set()
+    rebuilt = 0
     while True:
         decision = front.route(route_request)
         replica = decision.replica
@@ -200,7 +213,8 @@ async def generate(front: FleetFront, request: Request, path: str) -> Response:
         routed = False
         try:
             if session is not None:
-                if session.replica != replica or not front.fleet[session.replica].live:
+                stale = session.lost or not front.fleet[session.replica].live
+                if stale or session.replica != replica:
                     await front.move_session(session, replica, headers)
                 out["session_id"] = session.local_id
                 if session.moves and session.resend:
@@ -217,6 +231,14 @@ async def generate(front: FleetFront, request: Request, path: str) -> Response:
             if routed:
                 front.router.on_finished(route_request, replica)
             front.mark_down(replica, exc)
+            front.retries += 1
+            continue
+        if session is not None and rebuilt < 2 and await _session_gone(response):
+            # The replica restarted before a poll told us: rebuild the session and resend.
+            front.router.on_finished(route_request, replica)
+            session.lost = True
+            rebuilt += 1
+            tried.discard(replica)
             front.retries += 1
             continue
         break
@@ -307,8 +329,9 @@ async def session_op(front: FleetFront, request: Request, sid: str, action: str)
         return await forward_anywhere(front, request, path)  # the replica's 404
     headers = front.headers(request)
     raw = await request.body()
+    rebuilt = 0
     while True:
-        if not front.fleet[session.replica].live:
+        if session.lost or not front.fleet[session.replica].live:
             target = front.route(
                 RouteRequest(f"front-{secrets.token_hex(6)}", (), None, session=session.session_id)
             )
@@ -327,6 +350,10 @@ async def session_op(front: FleetFront, request: Request, sid: str, action: str)
             )
         except ReplicaDown as exc:
             front.mark_down(session.replica, exc)
+            continue
+        if rebuilt < 2 and await _session_gone(response):
+            session.lost = True
+            rebuilt += 1
             continue
         break
     result = await _whole(response, (session.local_id, session.session_id))

@@ -103,7 +103,7 @@ class FleetFront:
         else:
             self.router = make_router(config.router, self.fleet)
         self.sessions = FrontSessions()
-        self.hellos: dict[str, ReplicaHello] = {}
+        self.epochs: dict[str, str] = {}
         self.routed = {name: 0 for name in links}
         self.retries = 0
         self._ids = itertools.count()
@@ -150,6 +150,9 @@ class FleetFront:
                 raise
             self.mark_down(name, exc)
             return
+        if self.epochs.get(name, poll.epoch) != poll.epoch:
+            self.on_restart(name)
+        self.epochs[name] = poll.epoch
         view = self.fleet[name]
         if not view.live:
             log.info("replica %s is up", name)
@@ -163,6 +166,13 @@ class FleetFront:
             log.warning("replica %s is down (%s): dropped from the directory", name, why)
         view.live = False
         self.router.on_replica_removed(name)  # kvpilot: forget its blocks
+
+    def on_restart(self, name: str) -> None:
+        """The replica came back as a new process: the sessions it held are gone there."""
+        lost = self.sessions.on_replica(name)
+        for session in lost:
+            session.lost = True
+        log.warning("replica %s restarted: %d sessions will be rebuilt", name, len(lost))
 
     # -- routing ------------------------------------------------------------------------
 
@@ -247,12 +257,13 @@ class FleetFront:
         self, session: FrontSession, target: str, headers: dict[str, str]
     ) -> None:
         """Re-create ``session`` on ``target``; its next turn resends the conversation."""
-        old, old_local = session.replica, session.local_id
+        old, old_local, lost = session.replica, session.local_id, session.lost
         session.local_id = await self.create_remote_session(target, headers, session.cache_salt)
         session.replica = target
         session.moves += 1
         session.resend = True
-        if self.fleet.replicas.get(old) is not None and self.fleet[old].live:
+        session.lost = False
+        if not lost and self.fleet.replicas.get(old) is not None and self.fleet[old].live:
             with contextlib.suppress(Exception):
                 response = await self.forward(
                     old, "DELETE", f"/v1/sessions/{old_local}", headers, None

@@ -55,7 +55,7 @@ class FleetIngress:
         links = {name: RayReplicaLink(name) for name in replicas}
         http = httpx.AsyncClient(base_url=proxy_url, timeout=config.request_timeout_s)
         self.front = FleetFront(config, links, http, tokenizer, keys, KeySpace())  # type: ignore[arg-type]
-        self.app = create_front_app(self.front)
+        self.http_app = create_front_app(self.front)
 
     def __serve_build_asgi_app__(self) -> Any:
-        return self.app
+        return self.http_app

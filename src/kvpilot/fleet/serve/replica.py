@@ -43,13 +43,13 @@ class EngineReplica:
 
         self.name = name
         self.model = serve_options.model
-        self.app = build_app(serve_options)
-        state = self.app.state.kvpilot
+        self.http_app = build_app(serve_options)
+        state = self.http_app.state.kvpilot
         self.async_engine = state.engine
         self.agent = ReplicaAgent(self.async_engine.engine, name)
 
     def __serve_build_asgi_app__(self) -> Any:
-        return self.app
+        return self.http_app
 
     async def hello(self) -> ReplicaHello:
         agent = self.agent

@@ -29,6 +29,7 @@ class FrontSession:
     resendable: bool = True  # False once a turn's history could not be mirrored
     moves: int = 0
     resend: bool = False  # the next turn resends the whole conversation (it just moved)
+    lost: bool = False  # its replica restarted (a new epoch): the engine session is gone
 
     def conversation(self, body: dict[str, Any]) -> list[dict[str, Any]]:
         """The whole conversation of a chat turn (history + what this request sends)."""
