@@ -139,7 +139,12 @@ async def forward_anywhere(front: FleetFront, request: Request, path: str) -> Re
     return unavailable("no replica of the fleet is up; retry once one has (re)started")
 
 
-async def _whole(response: httpx.Response, replace: tuple[str, str] | None = None) -> Response:
+REPLICA_HEADER = "x-kvpilot-replica"  # which replica answered (for clients and benchmarks)
+
+
+async def _whole(
+    response: httpx.Response, replace: tuple[str, str] | None = None, replica: str | None = None
+) -> Response:
     try:
         data = await response.aread()
     finally:
@@ -147,7 +152,10 @@ async def _whole(response: httpx.Response, replace: tuple[str, str] | None = Non
     if replace is not None and replace[0] != replace[1]:
         data = data.replace(replace[0].encode(), replace[1].encode())
     return Response(
-        data, status_code=response.status_code, media_type=response.headers.get("content-type")
+        data,
+        status_code=response.status_code,
+        media_type=response.headers.get("content-type"),
+        headers={REPLICA_HEADER: replica} if replica else None,
     )
 
 
@@ -255,7 +263,7 @@ async def generate(front: FleetFront, request: Request, path: str) -> Response:
 
     swap = (session.local_id, session.session_id) if session is not None else None
     if not body.get("stream"):
-        result = await _whole(response, swap)
+        result = await _whole(response, swap, replica)
         ok = result.status_code == 200
         reply = None
         if ok and session is not None:
@@ -284,6 +292,7 @@ async def generate(front: FleetFront, request: Request, path: str) -> Response:
         relay(),
         status_code=response.status_code,
         media_type=response.headers.get("content-type"),
+        headers={REPLICA_HEADER: replica},
     )
 
 
