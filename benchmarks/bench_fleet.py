@@ -145,18 +145,21 @@ def simulate(
 
 
 def study(replicas: int, agents: int, duration_s: float) -> list[dict[str, Any]]:
+    """mu x gamma at the default L_max, then L_max around it at the default mu and gamma."""
+    base = RouterConfig()
+    grid = [(mu, gamma, base.l_max_tokens) for mu in (0.5, 0.7, 0.9) for gamma in (1.0, 2.0)]
+    grid += [(base.mu, base.gamma, l_max) for l_max in (16384.0, 65536.0)]
     rows = []
-    for mu in (0.5, 0.7, 0.9):
-        for gamma in (1.0, 2.0):
-            for l_max in (16384.0, 32768.0, 65536.0):
-                config = RouterConfig(mu=mu, gamma=gamma, l_max_tokens=l_max)
-                print(f"mu={mu} gamma={gamma} L_max={l_max:.0f}:", flush=True)
-                r = simulate(replicas, agents, duration_s, ["kvpilot"], config)[0]
-                rows.append(
-                    {"mu": mu, "gamma": gamma, "l_max_tokens": l_max,
-                     "of_ideal": r.hit_rate / r.ideal_hit_rate, "imbalance": r.imbalance,
-                     "p99_ttft_s": r.ttft_percentile(99)}
-                )  # fmt: skip
+    for mu, gamma, l_max in grid:
+        config = dataclasses.replace(base, mu=mu, gamma=gamma, l_max_tokens=l_max)
+        print(f"mu={mu} gamma={gamma} L_max={l_max:.0f}:", flush=True)
+        r = simulate(replicas, agents, duration_s, ["kvpilot"], config)[0]
+        rows.append(
+            {"mu": mu, "gamma": gamma, "l_max_tokens": l_max,
+             "of_ideal": round(r.hit_rate / r.ideal_hit_rate, 4),
+             "imbalance": round(r.imbalance, 4),
+             "p99_ttft_s": round(r.ttft_percentile(99), 4)}
+        )  # fmt: skip
     return rows
 
 
@@ -364,7 +367,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         payload["sim"]["agents"] = agents * replicas
         goals += check_goals(payload["sim"], "sim", strict=True)
         if args.study:
-            small = max(2, replicas // 4)
+            small = min(replicas, 4)
             print(f"study: {small} replicas x {agents} agents, {duration:.0f} s")
             payload["study"] = study(small, agents, duration)
     if not args.skip_real:
