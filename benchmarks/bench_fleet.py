@@ -28,6 +28,7 @@ The last line printed is one JSON object:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
