@@ -22,12 +22,11 @@ import itertools
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvpilot.engine.engine import Engine
 from kvpilot.engine.request import RequestOutput
 from kvpilot.engine.sampling import SamplingParams
-from kvpilot.engine.session import Session
 from kvpilot.errors import ConfigError, InvalidRequest, NoReplicaAvailable
 from kvpilot.fleet.directory import PrefixDirectory
 from kvpilot.fleet.events import EventBatch
@@ -35,28 +34,11 @@ from kvpilot.fleet.ideal import IdealCache
 from kvpilot.fleet.kvpilot_router import KvpilotRouter
 from kvpilot.fleet.load import FleetView, ReplicaLoad, RouteRequest
 from kvpilot.fleet.replica import ReplicaAgent
-from kvpilot.fleet.routers import RouteDecision, Router, make_router
+from kvpilot.fleet.routers import Router, make_router
 from kvpilot.fleet.scoring import RouterConfig
+from kvpilot.fleet.sim_records import FleetLog, FleetSession, OnDone, Pending
 
-OnDone = Callable[[RequestOutput], None]
 EngineFactory = Callable[[], Engine]
-
-
-@dataclass(slots=True)
-class FleetSession:
-    """A session as the fleet sees it: its tokens are the truth, its engine session is
-    wherever it last ran (None before its first turn, or after its replica died)."""
-
-    session_id: str
-    salt: str | None = None
-    replica: str | None = None
-    engine_session: Session | None = None
-    closed: bool = False
-
-    @property
-    def tokens(self) -> list[int]:
-        s = self.engine_session
-        return s.tokens if s is not None and not s.closed else []
 
 
 @dataclass(slots=True)
@@ -67,32 +49,6 @@ class _Replica:
     alive: bool = True
     blocked: bool = False
     shipped_seq: int = 0
-
-
-@dataclass(slots=True)
-class _Pending:
-    replica: str
-    request: RouteRequest
-    fsession: FleetSession | None
-    max_tokens: int
-    pause: tuple[float | None, str | None] | None
-    on_done: OnDone
-    arrival_s: float
-    ideal_tokens: int
-    decision: RouteDecision | None = None
-
-
-@dataclass(slots=True)
-class FleetLog:
-    """Per finished request; per replica: computed tokens."""
-
-    replica: list[str] = field(default_factory=list)
-    arrival_s: list[float] = field(default_factory=list)
-    ttft_s: list[float] = field(default_factory=list)
-    prompt_tokens: list[int] = field(default_factory=list)
-    cached_tokens: list[int] = field(default_factory=list)
-    ideal_tokens: list[int] = field(default_factory=list)
-    predicted_tokens: list[float] = field(default_factory=list)
 
 
 class FleetSimulator:
@@ -140,7 +96,7 @@ class FleetSimulator:
         self._events: list[tuple[float, int, Callable[[], None]]] = []
         self._seq = itertools.count()
         self._ids = itertools.count()
-        self._pending: dict[tuple[str, str], _Pending] = {}
+        self._pending: dict[tuple[str, str], Pending] = {}
         self._now = 0.0
         self._dead_tokens: dict[str, int] = {}
 
@@ -231,12 +187,12 @@ class FleetSimulator:
             None if session is not None else affinity,
         )
         ideal = self.ideal.lookup(request.tokens, salt, request.affinity)
-        pending = _Pending("", request, session, max_tokens, pause, on_done, self._now, ideal)
+        pending = Pending("", request, session, max_tokens, pause, on_done, self._now, ideal)
         return self._route_and_submit(pending, prompt)
 
     # -- routing and submission -----------------------------------------------------------
 
-    def _route_and_submit(self, p: _Pending, prompt: Sequence[int]) -> bool:
+    def _route_and_submit(self, p: Pending, prompt: Sequence[int]) -> bool:
         try:
             decision = self.router.route(p.request, self._now)
         except NoReplicaAvailable:
