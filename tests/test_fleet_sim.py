@@ -160,3 +160,35 @@ def test_fleet_options_are_checked() -> None:
         fleet("fastest")
     with pytest.raises(ConfigError, match="family"):
         FleetAgentDriver(WORKLOAD, families=0)
+
+
+def test_sim_cli_compares_routers(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import json
+
+    import typer
+    from typer.testing import CliRunner
+
+    from kvpilot.cli.sim import sim
+
+    app = typer.Typer()
+    app.command()(sim)
+    app.command("other")(lambda: None)  # keeps typer in multi-command mode
+    workload = tmp_path / "w.yaml"
+    workload.write_text(
+        "arrival: {concurrent: 8, ramp_s: 2}\n"
+        "trajectory: {turns: 3, task_tokens: 300, output_tokens: 16}\n"
+        "shared_prefix: {system_tokens: 512, tool_tokens: 0}\n"
+        "tools: {bash: {weight: 1, wait: 1}}\n"
+    )
+    args = ["sim", "--model", "llama-3-8b", "--node", "h100", "--kv-blocks", "2000",
+            "--workload", str(workload), "--duration", "15s", "--replicas", "2",
+            "--compare-routers", "--routers", "round_robin", "--families", "2",
+            "--out", str(tmp_path / "out"), "--json"]  # fmt: skip
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    rows = json.loads(result.stdout.strip().splitlines()[-1])
+    assert [r["router"] for r in rows] == ["kvpilot", "round_robin"]
+    for row in rows:
+        assert row["replicas"] == 2 and row["requests"] > 0
+        assert 0 < row["hit_rate"] <= row["ideal_hit_rate"] + 0.02
+    assert (tmp_path / "out" / "routers.png").read_bytes().startswith(b"\x89PNG")
