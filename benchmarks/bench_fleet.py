@@ -11,7 +11,7 @@
 (b) Real: 3 replicas of `tiny` on a local Ray instance (`kvpilot serve --replicas 3`
     machinery), replaying the miniswe sessions (../shared/traces) as token-id prompts
     with each session's id as ``prompt_cache_key``, all sessions at once; each router gets
-    freshly started replicas.
+    its own front and replicas whose prefix caches were just reset.
 
 Per router: prefix hit rate (cached prompt tokens / prompt tokens, as the engines report),
 the ideal (one infinite cache over the same requests), p50/p99 TTFT, imbalance (max over
@@ -187,7 +187,7 @@ def replay_real(routers: Sequence[str], replicas: int, sessions: int, max_tokens
     from ray import serve
 
     from kvpilot.cli.serve import ServeOptions
-    from kvpilot.fleet.serve.deploy import FleetOptions, build_applications
+    from kvpilot.fleet.serve.deploy import FleetOptions, build_applications, run_applications
     from kvpilot.model.loader import resolve_model_path
     from kvpilot.model.tokenizer import load_tokenizer
     from kvpilot.server.process import free_port
@@ -213,16 +213,21 @@ def replay_real(routers: Sequence[str], replicas: int, sessions: int, max_tokens
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})  # fmt: skip
     results: dict[str, Any] = {"ideal_hit_rate": round(ideal, 4), "routers": {}}
+    port = free_port()
     try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        url = f"http://127.0.0.1:{port}"
+        fleet = FleetOptions(replicas=replicas, port=port, num_cpus=2, poll_interval_s=0.2)
+        apps = build_applications(options, fleet)
+        run_applications(apps[:-1])  # the replicas, once for every router
         for name in routers:
-            port = free_port()
-            fleet = FleetOptions(replicas=replicas, router=name, port=port, num_cpus=2,
-                                 poll_interval_s=0.2)  # fmt: skip
-            serve.start(http_options={"host": "127.0.0.1", "port": port})
-            apps = build_applications(options, fleet)
-            for app_name, prefix, bound in apps:
-                serve.run(bound, name=app_name, route_prefix=prefix, blocking=False)
-            url = f"http://127.0.0.1:{port}"
+            for app_name, _, _ in apps[:-1]:  # every router starts from cold caches
+                handle = serve.get_deployment_handle("EngineReplica", app_name=app_name)
+                handle.reset_prefix_cache.remote().result()
+            front_name, front_prefix, front = build_applications(
+                options, dataclasses.replace(fleet, router=name)
+            )[-1]
+            run_applications([(front_name, front_prefix, front)])
             _wait_healthy(url, replicas)
             stats = _replay_http(url, replay, max_tokens)
             results["routers"][name] = stats
@@ -232,7 +237,7 @@ def replay_real(routers: Sequence[str], replicas: int, sessions: int, max_tokens
                 f"imbalance {stats['imbalance']:5.3f}",
                 flush=True,
             )
-            serve.shutdown()
+            serve.delete(front_name)
     finally:
         serve.shutdown()
         ray.shutdown()
@@ -349,6 +354,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--replicas", type=int, default=None)
     parser.add_argument("--duration", type=float, default=None, help="simulated seconds")
     parser.add_argument("--sessions", type=int, default=20, help="real: trace sessions")
+    parser.add_argument(
+        "--agents", type=int, default=None,
+        help="sim: agents per replica (skips the capacity ladder; give what it found)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     replicas = args.replicas or (4 if args.quick else 16)
     duration = args.duration or (90.0 if args.quick else 180.0)
@@ -356,15 +365,21 @@ def main(argv: Sequence[str] | None = None) -> None:
     payload: dict[str, Any] = {}
     goals: list[str] = []
     if not args.skip_sim:
-        print("(a) simulated: capacity of one llama-3-70b 8xH100 replica (closed loops)")
-        ladder = (8, 16, 32, 64, 128) if args.quick else (8, 16, 32, 64, 96, 128, 192)
-        capacity, agents, lines = measure_capacity(90.0 if args.quick else 150.0, ladder)
-        print("\n".join(lines))
-        print(f"  capacity {capacity:.2f} calls/s per replica; 80% at {agents} agents/replica")
+        capacity = math.nan
+        if args.agents is not None:
+            agents = args.agents
+            print(f"(a) simulated: {agents} agents per replica, as given (no capacity ladder)")
+        else:
+            print("(a) simulated: capacity of one llama-3-70b 8xH100 replica (closed loops)")
+            ladder = (8, 16, 32, 64, 128) if args.quick else (8, 16, 32, 64, 96, 128, 192)
+            capacity, agents, lines = measure_capacity(90.0 if args.quick else 150.0, ladder)
+            print("\n".join(lines))
+            print(f"  capacity {capacity:.2f} calls/s per replica; 80% at {agents} agents/replica")
         print(f"(a) simulated: {replicas} replicas x {agents} agents, {duration:.0f} s")
         results = simulate(replicas, agents, duration, routers)
         payload["sim"] = figures(results)
-        payload["sim"]["capacity_calls_per_s"] = round(capacity, 3)
+        if not math.isnan(capacity):
+            payload["sim"]["capacity_calls_per_s"] = round(capacity, 3)
         payload["sim"]["agents"] = agents * replicas
         goals += check_goals(payload["sim"], "sim", strict=True)
         if args.study:

@@ -101,6 +101,19 @@ def build_applications(serve_options: Any, fleet: FleetOptions) -> list[tuple[st
     return apps
 
 
+def run_applications(apps: list[tuple[str, str, Any]]) -> None:
+    """Deploy applications and wait until they run (all at once with ``serve.run_many``)."""
+    _, serve = require_ray()
+    run_many = getattr(serve, "run_many", None)
+    if run_many is not None and len(apps) > 1:
+        run_many([serve.RunTarget(bound, name, prefix) for name, prefix, bound in apps])
+    else:
+        for name, prefix, bound in apps:
+            serve.run(bound, name=name, route_prefix=prefix, blocking=False)
+    for name, prefix, _ in apps:
+        log.info("application %s is up at %s", name, prefix)
+
+
 def deploy(serve_options: Any, fleet: FleetOptions, *, blocking: bool = True) -> None:
     """Start (or join) Ray, run the fleet on Ray Serve; with ``blocking``, serve until
     interrupted, then tear the applications down."""
@@ -114,9 +127,8 @@ def deploy(serve_options: Any, fleet: FleetOptions, *, blocking: bool = True) ->
         ray.init(**kwargs)
     serve.start(http_options={"host": fleet.host, "port": fleet.port})
     apps = build_applications(serve_options, fleet)
-    for name, prefix, bound in apps:
-        serve.run(bound, name=name, route_prefix=prefix, blocking=False)
-        log.info("application %s is up at %s", name, prefix)
+    run_applications(apps[:-1])  # the replicas (in parallel where Serve can), then the front
+    run_applications(apps[-1:])
     if not blocking:
         return
     try:

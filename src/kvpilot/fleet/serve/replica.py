@@ -67,6 +67,16 @@ class EngineReplica:
     async def snapshot(self) -> ReplicaSnapshot:
         return await self._on_engine_thread(lambda _engine: self.agent.snapshot())
 
+    async def reset_prefix_cache(self) -> int:
+        """Drop every cached block nobody holds, in every tier (like vLLM's
+        ``/reset_prefix_cache``); the directory hears the evictions. Returns blocks freed."""
+
+        def reset(engine: Any) -> int:
+            radix = engine.kv.radix
+            return sum(radix.evict(radix.evictable_blocks(tier), tier) for tier in engine.kv.pools)
+
+        return await self._on_engine_thread(reset)
+
     async def _on_engine_thread(self, fn: Any) -> Any:
         if self.async_engine.running:
             return await self.async_engine.call(fn)
