@@ -116,3 +116,23 @@ def test_a_dead_replica_loses_nothing(fleet: LocalFleet, tmp_path: Path) -> None
         assert info.status_code == 200 and info.json()["id"] == sid
         health = client.get("/health").json()
         assert health["replicas_up"] == 1
+
+
+def test_reset_prefix_cache_reaches_the_directory(fleet: LocalFleet) -> None:
+    import asyncio
+
+    from kvpilot.memory import Tier
+
+    front = fleet.front
+    assert front is not None
+    with httpx.Client(base_url=fleet.url, timeout=120) as client:
+        complete(client, SYSTEM + "Task: warm the cache.")
+    live = [n for n in ("r0", "r1") if n not in fleet.dead]
+    wait_for(lambda: any(front.directory.num_blocks(n) for n in live))
+    before = {n: front.directory.num_blocks(n) for n in live}
+    for name in live:
+        assert asyncio.run(fleet.replicas[name].reset_prefix_cache()) >= 0
+    # What a session still holds stays; the directory follows the evictions to that.
+    held = {n: asyncio.run(fleet.replicas[n].snapshot()).num_blocks(Tier.DEVICE) for n in live}
+    wait_for(lambda: all(front.directory.num_blocks(n) == held[n] for n in live))
+    assert sum(held.values()) < sum(before.values())
