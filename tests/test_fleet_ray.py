@@ -39,7 +39,7 @@ def fleet_url() -> Iterator[str]:
     try:
         deploy(options, fleet, blocking=False)
         url = f"http://127.0.0.1:{port}"
-        wait_until(lambda: _health(url).get("replicas_up") == 2, 240)
+        wait_until(lambda: _health(url).get("replicas_up") == 2, 400)
         yield url
     finally:
         serve.shutdown()
