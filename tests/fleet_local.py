@@ -14,7 +14,6 @@ from typing import Any
 import httpx
 
 from kvpilot.cli.serve import ServeOptions
-from kvpilot.fleet.keys import KeySpace
 from kvpilot.fleet.serve.app import create_front_app
 from kvpilot.fleet.serve.front import FleetFront, FrontConfig, ReplicaDown
 from kvpilot.fleet.serve.replica import EngineReplica
@@ -89,7 +88,6 @@ class LocalFleet:
             http,
             first.async_engine.engine.tokenizer,
             self.api_keys,
-            KeySpace(),
         )
         self.front_server = self._stack.enter_context(
             BackgroundServer(create_front_app(self.front))

@@ -143,6 +143,24 @@ def test_keys_are_the_engines_own_block_hashes() -> None:
     assert KeySpace(BS).key_space_id == cache.root(None).last_hash().hex()
 
 
+def test_the_model_fingerprint_flows_into_the_keys() -> None:
+    from kvpilot.memory.hashing import ModelFingerprint
+
+    model = ModelFingerprint.of("llama-3-70b bf16 block 4").digest
+    pools = {Tier.DEVICE: BlockPool(48)}
+    cache = RadixCache(BS, pools, None, model)
+    tokens = list(range(1, 23))
+    put(cache, tokens)
+    node = cache.match(tokens, record=False).node
+    space = KeySpace.of_radix(cache)
+    assert space.model == model and space.keys(tokens) == node.hashes
+    assert KeySpace(BS).keys(tokens) != node.hashes  # another model's keys never match
+    directory = PrefixDirectory(space.key_space_id)
+    directory.add_replica("r")
+    with pytest.raises(ConfigError, match="another model"):
+        directory.load_snapshot("r", KVEventLog(make_cache()).snapshot(KeySpace(BS).key_space_id))
+
+
 def test_match_counts_the_contiguous_prefix_by_best_tier() -> None:
     space = KeySpace(BS)
     keys = space.keys(list(range(40)))  # 10 blocks

@@ -2,10 +2,12 @@
 
 A directory hit must be a real engine hit, so the router fingerprints a prompt with the
 memory core's hash (`kvpilot.memory.hashing`): the same 16-token blocks, the same tenant
-salt and the same seed (which carries the model fingerprint where the engine puts one).
-A `KeySpace` names that seed: every replica reports the seed it hashes under
-(``key_space_id``: its root hash for the anonymous tenant), and the directory refuses a
-replica whose seed differs from the router's, rather than mixing models silently.
+salt and the same seed, which carries the model fingerprint (weights, dtype, block size,
+config: `ModelFingerprint`). A `KeySpace` is that block size and fingerprint, taken from
+the engines themselves (`KeySpace.of_radix`, or a replica's hello); every replica also
+reports the seed it hashes under (``key_space_id``: its root hash for the anonymous
+tenant), and the directory refuses a replica whose seed differs from the router's,
+rather than mixing models silently.
 
 Keys are 16-byte hashes concatenated in one ``bytes`` (key ``i`` is
 ``keys[16 * i : 16 * i + 16]``): one allocation per prompt, sliced on demand.
@@ -18,16 +20,24 @@ from dataclasses import dataclass
 from hashlib import blake2b
 
 from kvpilot.memory.hashing import HASH_BYTES, chain_bytes, int32_bytes, root_hash
+from kvpilot.memory.radix import RadixCache
 
 
 @dataclass(frozen=True, slots=True)
 class KeySpace:
-    """How prompts are cut and hashed: block size and the seed of each salt's chain."""
+    """How prompts are cut and hashed: block size, and the model fingerprint digest that
+    seeds each salt's chain (empty: an engine without one)."""
 
     block_size: int = 16
+    model: bytes = b""
+
+    @classmethod
+    def of_radix(cls, radix: RadixCache) -> KeySpace:
+        """The key space an engine's radix cache hashes under."""
+        return cls(radix.block_size, radix.model)
 
     def root(self, salt: str | None) -> bytes:
-        return root_hash(salt)
+        return root_hash(salt, self.model)
 
     @property
     def key_space_id(self) -> str:

@@ -78,6 +78,10 @@ class KvpilotRouter(_Base):
             why = "best score"
         return RouteDecision(best.name, why, best_match, best_score)
 
+    def use_key_space(self, space: KeySpace) -> None:
+        """Hash prompts under ``space`` from now on (the engines' block size and model)."""
+        self.keys = PromptKeyCache(space)
+
     def on_routed(self, request: RouteRequest, decision: RouteDecision, now: float) -> None:
         super().on_routed(request, decision, now)
         affinity = request.affinity

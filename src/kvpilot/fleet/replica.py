@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from kvpilot.engine.engine import Engine
 from kvpilot.fleet.events import EventBatch, KVEventLog, ReplicaSnapshot
+from kvpilot.fleet.keys import KeySpace
 from kvpilot.fleet.load import DEFAULT_PREFILL_TOKENS_PER_S, ReplicaLoad
 
 
@@ -25,6 +26,7 @@ class ReplicaAgent:
         self.name = name
         self.log = KVEventLog(engine.kv.radix, capacity=event_capacity)
         self.key_space_id = engine_key_space_id(engine)
+        self.key_space = KeySpace.of_radix(engine.kv.radix)
 
     @property
     def epoch(self) -> str:

@@ -31,6 +31,7 @@ from kvpilot.errors import ConfigError, InvalidRequest, NoReplicaAvailable
 from kvpilot.fleet.directory import PrefixDirectory
 from kvpilot.fleet.events import EventBatch
 from kvpilot.fleet.ideal import IdealCache
+from kvpilot.fleet.keys import KeySpace
 from kvpilot.fleet.kvpilot_router import KvpilotRouter
 from kvpilot.fleet.load import FleetView, ReplicaLoad, RouteRequest
 from kvpilot.fleet.replica import ReplicaAgent
@@ -76,9 +77,17 @@ class FleetSimulator:
         self.fleet = FleetView(names)
         self.directory: PrefixDirectory | None = None
         if router == "kvpilot":
-            self.directory = PrefixDirectory()
+            probe = make_engine()  # the engines' own key space (block size, fingerprint)
+            space = KeySpace.of_radix(probe.kv.radix)
+            probe.close()
+            self.directory = PrefixDirectory(space.key_space_id)
             self.router: Router = make_router(
-                router, self.fleet, directory=self.directory, config=config, seed=seed
+                router,
+                self.fleet,
+                directory=self.directory,
+                config=config,
+                key_space=space,
+                seed=seed,
             )
         else:
             self.router = make_router(router, self.fleet, seed=seed)
@@ -107,8 +116,6 @@ class FleetSimulator:
         agent = ReplicaAgent(engine, name) if self.directory is not None else None
         if self.directory is not None:
             assert agent is not None
-            if self.directory.key_space_id is None:
-                self.directory.key_space_id = agent.key_space_id
             self.directory.add_replica(name)
             self.directory.load_snapshot(name, agent.snapshot())
         self.replicas[name] = _Replica(name, engine, agent)

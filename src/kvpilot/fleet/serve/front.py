@@ -34,6 +34,7 @@ from kvpilot.errors import KvpilotError
 from kvpilot.fleet.directory import PrefixDirectory
 from kvpilot.fleet.events import ReplicaSnapshot
 from kvpilot.fleet.keys import KeySpace
+from kvpilot.fleet.kvpilot_router import KvpilotRouter
 from kvpilot.fleet.load import FleetView, RouteRequest
 from kvpilot.fleet.routers import RouteDecision, make_router
 from kvpilot.fleet.scoring import RouterConfig
@@ -87,18 +88,20 @@ class FleetFront:
         self.http = http
         self.tokenizer = tokenizer
         self.api_keys = api_keys or ApiKeys()
-        self.key_space = key_space or KeySpace()
+        # None: adopted from the first replica that says hello (its block size and model
+        # fingerprint), so the router hashes prompts exactly as the engines do.
+        self.key_space = key_space
         self.fleet = FleetView(list(links))
         for view in self.fleet.replicas.values():
             view.live = False  # until its first poll answers
-        self.directory = PrefixDirectory(self.key_space.key_space_id)
+        self.directory = PrefixDirectory(key_space.key_space_id if key_space else None)
         if config.router == "kvpilot":
             self.router = make_router(
                 "kvpilot",
                 self.fleet,
                 directory=self.directory,
                 config=config.router_config,
-                key_space=self.key_space,
+                key_space=key_space,
             )
         else:
             self.router = make_router(config.router, self.fleet)
@@ -137,6 +140,11 @@ class FleetFront:
         sent = time.monotonic()
         directory = self.directory
         try:
+            if self.key_space is None:
+                hello = await asyncio.wait_for(link.hello(), self.config.call_timeout_s)
+                self.adopt_key_space(
+                    KeySpace(hello.block_size, bytes.fromhex(hello.model_fingerprint))
+                )
             if name not in directory.replicas:
                 directory.add_replica(name)
             epoch, seq = directory.sync_state(name)
@@ -159,6 +167,15 @@ class FleetFront:
         view.live = True
         directory.set_live(name, True)
         view.on_report(dataclasses.replace(poll.load, time_s=sent))
+
+    def adopt_key_space(self, space: KeySpace) -> None:
+        if self.key_space is not None:
+            return
+        self.key_space = space
+        self.directory.key_space_id = space.key_space_id
+        if isinstance(self.router, KvpilotRouter):
+            self.router.use_key_space(space)
+        log.info("fleet key space: block size %d, model %s", space.block_size, space.model.hex())
 
     def mark_down(self, name: str, why: object = None) -> None:
         view = self.fleet[name]

@@ -8,7 +8,6 @@ from typing import Any
 import httpx
 
 from kvpilot.fleet.events import ReplicaSnapshot
-from kvpilot.fleet.keys import KeySpace
 from kvpilot.fleet.serve.app import create_front_app
 from kvpilot.fleet.serve.front import FleetFront, FrontConfig, ReplicaDown
 from kvpilot.fleet.serve.replica import ReplicaHello, ReplicaPoll
@@ -54,7 +53,7 @@ class FleetIngress:
         )
         links = {name: RayReplicaLink(name) for name in replicas}
         http = httpx.AsyncClient(base_url=proxy_url, timeout=config.request_timeout_s)
-        self.front = FleetFront(config, links, http, tokenizer, keys, KeySpace())  # type: ignore[arg-type]
+        self.front = FleetFront(config, links, http, tokenizer, keys)  # type: ignore[arg-type]
         self.http_app = create_front_app(self.front)
 
     def __serve_build_asgi_app__(self) -> Any:

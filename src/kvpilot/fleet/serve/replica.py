@@ -24,6 +24,7 @@ class ReplicaHello:
     key_space_id: str
     block_size: int
     model: str
+    model_fingerprint: str  # hex digest seeding the replica's chained hashes
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,8 +54,15 @@ class EngineReplica:
 
     async def hello(self) -> ReplicaHello:
         agent = self.agent
-        block = agent.engine.kv.block_size
-        return ReplicaHello(self.name, agent.epoch, agent.key_space_id, block, self.model)
+        space = agent.key_space
+        return ReplicaHello(
+            self.name,
+            agent.epoch,
+            agent.key_space_id,
+            space.block_size,
+            self.model,
+            space.model.hex(),
+        )
 
     async def poll(self, after_seq: int, epoch: str | None) -> ReplicaPoll:
         agent = self.agent
