@@ -30,8 +30,9 @@ $(STAMP): pyproject.toml
 		$(PIP) install torch==2.13.0; \
 	fi
 	@echo "==> [4/4] Installing kvpilot (editable) with its dependencies (transformers, FastAPI,"
-	@echo "    uvicorn, prometheus-client, matplotlib, ...) and test tools (pytest, hypothesis, ruff)"
-	@$(PIP) install -e '.[dev]'
+	@echo "    uvicorn, prometheus-client, matplotlib, ...), Ray Serve for the fleet (kvpilot[fleet])"
+	@echo "    and test tools (pytest, hypothesis, ruff)"
+	@$(PIP) install -e '.[dev,fleet]'
 	@touch $(STAMP)
 	@echo "==> $(VENV) is ready"
 

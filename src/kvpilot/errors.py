@@ -35,3 +35,7 @@ class ModelLoadError(KvpilotError):
 
 class UnsupportedArchitecture(ModelLoadError):
     """The checkpoint's architecture is not one kvpilot implements."""
+
+
+class NoReplicaAvailable(KvpilotError):
+    """Every replica of a fleet is down (or none has started yet)."""

@@ -165,11 +165,22 @@ def serve(
             help="Overwrite every freed KV block with NaN, so a stale read shows (a check)."
         ),
     ] = False,
+    replicas: Annotated[
+        int, typer.Option(help="Engine replicas on Ray Serve behind kvpilot's prefix router.")
+    ] = 1,
+    ray_address: Annotated[
+        str | None, typer.Option(help="Join this Ray cluster (default: start a local one).")
+    ] = None,
+    router: Annotated[
+        str, typer.Option(help="Fleet router: kvpilot, round_robin, power_of_two, ...")
+    ] = "kvpilot",
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API, with agent sessions and /metrics.
 
     With --host-memory and/or --disk-dir, paused sessions' KV can move to host memory or
-    disk; --policy decides per pause (breakeven: the spec's break-even rule).
+    disk; --policy decides per pause (breakeven: the spec's break-even rule). With
+    --replicas N (or --ray-address), N engine replicas run on Ray Serve behind kvpilot's
+    prefix-aware router (needs the fleet extra: pip install 'kvpilot[fleet]').
     """
     from kvpilot.cli.checks import DTYPE_NAMES, check_checkpoint, check_choice, check_device
     from kvpilot.cli.checks import for_flag as flag
@@ -208,6 +219,18 @@ def serve(
     except KvpilotError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(code=2) from exc
+    if replicas > 1 or ray_address is not None:
+        from kvpilot.fleet.serve.deploy import FleetOptions, deploy
+
+        try:
+            fleet = FleetOptions(
+                replicas=replicas, router=router, ray_address=ray_address, host=host, port=port
+            )
+            deploy(options, fleet)
+        except KvpilotError as exc:
+            typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(code=2) from exc
+        return
     from kvpilot.server.banner import StartupBanner
 
     banner = StartupBanner()

@@ -114,8 +114,32 @@ def sim(
     timestamp_unit: Annotated[str, typer.Option(help="Hashed traces: s, ms or us.")] = "s",
     out: Annotated[Path | None, typer.Option(help="Write PNG figures and JSON here.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    replicas: Annotated[int, typer.Option(help="Fleet: engine replicas behind a router.")] = 1,
+    router: Annotated[
+        str, typer.Option(help="Fleet router: kvpilot, round_robin, power_of_two, ...")
+    ] = "kvpilot",
+    compare_routers: Annotated[
+        bool, typer.Option("--compare-routers", help="Fleet: run every router, plot them.")
+    ] = False,
+    routers: Annotated[
+        str | None, typer.Option(help="Comma-separated routers for --compare-routers.")
+    ] = None,
+    event_delay_ms: Annotated[
+        float, typer.Option(help="Fleet: delay of KV events and load reports to the router.")
+    ] = 50.0,
+    families: Annotated[int, typer.Option(help="Fleet: agent families (system prompts).")] = 8,
+    family_skew: Annotated[float, typer.Option(help="Fleet: Zipf skew of families.")] = 0.0,
+    router_mu: Annotated[float | None, typer.Option(help="kvpilot router: mu.")] = None,
+    router_gamma: Annotated[float | None, typer.Option(help="kvpilot router: gamma.")] = None,
+    router_l_max: Annotated[
+        float | None, typer.Option(help="kvpilot router: L_max (tokens).")
+    ] = None,
 ) -> None:
-    """Simulate agent serving on virtual time with the engine's own scheduler and memory."""
+    """Simulate agent serving on virtual time with the engine's own scheduler and memory.
+
+    With --replicas R (or --compare-routers), a fleet of R engines behind a router, routed
+    by the same code as `kvpilot serve --replicas`.
+    """
     import dataclasses
 
     from rich.console import Console
@@ -196,6 +220,13 @@ def sim(
             load = WorkloadConfig.from_yaml(workload) if workload else WorkloadConfig.default()
             if seed is not None:
                 load = dataclasses.replace(load, seed=seed)
+        if replicas > 1 or compare_routers:
+            _fleet(
+                setup, load, replicas, router, compare_routers, routers, event_delay_ms,
+                families, family_skew, (router_mu, router_gamma, router_l_max), policy,
+                time_scale, vocab, out, as_json, console,
+            )  # fmt: skip
+            return
         results = []
         for k, name in enumerate(names, 1):
             label = f"policy {k}/{len(names)}: {name}" if len(names) > 1 else name
@@ -222,6 +253,49 @@ def sim(
         print_result(console, r)
     if len(results) > 1:
         print_comparison(console, results)
+
+
+def _fleet(
+    setup: Any,
+    load: Any,
+    replicas: int,
+    router: str,
+    compare: bool,
+    routers: str | None,
+    delay_ms: float,
+    families: int,
+    skew: float,
+    knobs: tuple[float | None, float | None, float | None],
+    policy: str,
+    time_scale: float,
+    vocab: int,
+    out: Path | None,
+    as_json: bool,
+    console: Console,
+) -> None:
+    from kvpilot.fleet.scoring import RouterConfig
+    from kvpilot.fleet.sim_cli import run_fleet_cli
+
+    names = ("mu", "gamma", "l_max_tokens")
+    given = {k: v for k, v in zip(names, knobs, strict=True) if v is not None}
+    run_fleet_cli(
+        setup,
+        load,
+        replicas=replicas,
+        router=router,
+        compare_routers=compare,
+        routers=routers,
+        config=RouterConfig(**given),
+        event_delay_s=delay_ms / 1e3,
+        families=families,
+        family_skew=skew,
+        policy=policy,
+        time_scale=time_scale,
+        vocab_size=vocab,
+        out=out,
+        as_json=as_json,
+        console=console,
+    )
 
 
 def calibrate(

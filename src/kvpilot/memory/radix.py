@@ -14,6 +14,7 @@ import heapq
 import itertools
 from array import array
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Protocol
 
 import numpy as np
 
@@ -24,6 +25,17 @@ from kvpilot.memory.radix_node import InsertResult, MatchResult, RadixNode, Radi
 from kvpilot.memory.tiers import Tier
 
 _TIER_BIT = {Tier.DEVICE: 1, Tier.HOST: 2, Tier.DISK: 4}
+
+
+class RadixObserver(Protocol):
+    """Told of every change to which blocks (by chained hash, 16 bytes each, concatenated)
+    the cache indexes in which tier; the fleet's KV event log implements it."""
+
+    def committed(self, hashes: bytes) -> None: ...
+
+    def moved(self, tier: Tier, hashes: bytes) -> None: ...
+
+    def evicted(self, tier: Tier, hashes: bytes) -> None: ...
 
 
 def as_token_array(tokens: Sequence[int]) -> array:
@@ -74,6 +86,16 @@ class RadixCache:
         self._heaps: dict[Tier, list[tuple[float, int, RadixNode]]] = {tier: [] for tier in Tier}
         self._seq = itertools.count()
         self._num_nodes = 0
+        # The one optional sink for KV events (None: no event is built, no hash is computed).
+        self.observer: RadixObserver | None = None
+
+    def set_observer(self, observer: RadixObserver | None) -> None:
+        """Attach (or detach) the event sink; every node's hashes are computed now, so that
+        removals can always be reported (a node created later computes them on creation)."""
+        if observer is not None:
+            for node in self.iter_nodes():
+                node.hashes  # noqa: B018 (computes and keeps them)
+        self.observer = observer
 
     # ---- queries -------------------------------------------------------------------------
 
@@ -205,6 +227,8 @@ class RadixCache:
                 self._attach_copy(child, Tier.DEVICE, own)
                 device = own
                 taken += k
+                if self.observer is not None:
+                    self.observer.committed(child.hashes)
             canonical.extend(device)
             child.last_access = now
             node = child
@@ -222,6 +246,8 @@ class RadixCache:
             canonical.extend(own)
             taken += len(own)
             node = leaf
+            if self.observer is not None:
+                self.observer.committed(leaf.hashes)
         self.stats.inserted_blocks += taken
         return InsertResult(node, canonical, taken)
 
@@ -254,8 +280,13 @@ class RadixCache:
         arr = as_token_array(tokens)
         own = list(blocks)
         self.pools[Tier.DEVICE].incref_many(own)
+        if self.observer is not None:
+            node.hashes  # noqa: B018 (an observed tree keeps every node's hashes)
         if node._hashes is not None:
-            node._hashes += chain_bytes(node._hashes[-HASH_BYTES:], int32_bytes(arr), bs)
+            new = chain_bytes(node._hashes[-HASH_BYTES:], int32_bytes(arr), bs)
+            node._hashes += new
+            if self.observer is not None:
+                self.observer.committed(new)
         node.tokens.extend(arr)
         device.extend(own)
         node.depth_tokens += len(arr)
@@ -336,6 +367,8 @@ class RadixCache:
                 f"a copy of this node needs {node.num_blocks} blocks, got {len(blocks)}"
             )
         self._attach_copy(node, tier, list(blocks))
+        if self.observer is not None:
+            self.observer.moved(tier, node.hashes)
 
     def _attach_copy(self, node: RadixNode, tier: Tier, blocks: list[int]) -> None:
         node.blocks[tier] = blocks
@@ -380,6 +413,8 @@ class RadixCache:
         """Evict the last ``n`` blocks of a childless single-copy leaf in place (no edge copy)."""
         bs = self.block_size
         ids = node.blocks[tier]
+        if self.observer is not None:
+            self.observer.evicted(tier, node.hashes[-n * HASH_BYTES :])
         tail = ids[-n:]
         del ids[-n:]
         del node.tokens[-n * bs :]
@@ -393,6 +428,8 @@ class RadixCache:
 
     def _release(self, node: RadixNode, tier: Tier) -> int:
         """Drop ``node``'s copy in ``tier``; returns blocks that went back to the free list."""
+        if self.observer is not None:
+            self.observer.evicted(tier, node.hashes)
         ids = node.blocks.pop(tier)
         self._cached[tier] -= len(ids)
         if node.lock_count == 0:
