@@ -158,7 +158,7 @@ def test_text_only_prompts_without_structure() -> None:
     brk = classify_break(PromptView(list(a.encode()), a), PromptView(list(b.encode()), b))
     assert brk is not None and brk.cause is BreakCause.VOLATILE_AT_HEAD
     assert brk.location.field == "prompt"
-    tokens_only = classify_break(PromptView([1, 2, 3] * 50), PromptView([9] * 200))
+    tokens_only = classify_break(PromptView([1, 2, 3] * 50), PromptView([9] * 100))
     assert tokens_only is not None and tokens_only.cause is BreakCause.INTERLEAVED
 
 

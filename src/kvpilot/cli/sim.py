@@ -376,8 +376,9 @@ def trace_analyze(
         Path | None, typer.Option(help="JSON zone markers [{zone, marker, after}].")
     ] = None,
     turns: Annotated[bool, typer.Option(help="Also print every call.")] = False,
+    top: Annotated[int, typer.Option(help="Rows per table (sessions, breaks).", min=1)] = 10,
 ) -> None:
-    """Diagnose a trace's prefix reuse: hits vs ideal, where prompts diverge, tool waits."""
+    """Diagnose a trace's prefix reuse: hits vs ideal, why prompts diverge, tool waits."""
     from rich.console import Console
 
     from kvpilot.trace.analyze import (
@@ -408,6 +409,6 @@ def trace_analyze(
     if as_json:
         typer.echo(json.dumps(diagnosis.to_json()))
         return
-    render_diagnosis(console, diagnosis, turns)
+    render_diagnosis(console, diagnosis, turns, top)
     if plot is not None:
         console.print(f"wrote {plot}")

@@ -248,9 +248,7 @@ def _structured(prev: PromptView, new: PromptView, k: int) -> PrefixBreak:
         where = replace_loc(loc, field="content", message_index=new_m.index, role=new_m.role)
     rest_old, rest_new = prev.messages[i:], new.messages[i:]
     if _canonical(old_m.content) == _canonical(new_m.content) and old_m.role == new_m.role:
-        return _break(
-            k, prev, where, BreakCause.REORDERED, f"message {new_m.index} re-serialised"
-        )
+        return _break(k, prev, where, BreakCause.REORDERED, f"message {new_m.index} re-serialised")
     if head:
         return _field_change(prev, new, k, where, old_m.content, new_m.content, head=True)
     volatile = find_volatile_field(old_m.content, new_m.content)
@@ -302,9 +300,7 @@ def _field_change(
     )
 
 
-def _volatile(
-    k: int, prev: PromptView, where: BreakLocation, v: Any, *, head: bool
-) -> PrefixBreak:
+def _volatile(k: int, prev: PromptView, where: BreakLocation, v: Any, *, head: bool) -> PrefixBreak:
     cause = BreakCause.VOLATILE_AT_HEAD if head else BreakCause.VOLATILE
     place = "at the head" if head else "in the history"
     return _break(
@@ -343,9 +339,21 @@ def _unstructured(prev: PromptView, new: PromptView, k: int) -> PrefixBreak:
         volatile = find_volatile_in_prompt(prev.text, new.text)
         if volatile is not None:
             return _volatile(k, prev, loc, volatile, head=head)
+    elif _short_token_change(prev.tokens, new.tokens, k):
+        return _break(
+            k,
+            prev,
+            loc,
+            BreakCause.VOLATILE_AT_HEAD if head else BreakCause.VOLATILE,
+            "a few tokens changed and the rest of the prompt follows unchanged: a per-call "
+            "field (no text to tell which)",
+        )
     if len(new.tokens) < len(prev.tokens) and _shares_suffix(prev.tokens, new.tokens):
         return _break(k, prev, loc, BreakCause.COMPACTED, "the prompt shrank and kept its end")
-    if head:
+    has_text = prev.text is not None and new.text is not None
+    if head and (has_text or len(new.tokens) < len(prev.tokens)):
+        # With text: the head changed by more than a value. Tokens only: a new conversation
+        # starts short, while a continuation with a changed head has grown.
         return _break(
             k,
             prev,
@@ -353,7 +361,22 @@ def _unstructured(prev: PromptView, new: PromptView, k: int) -> PrefixBreak:
             BreakCause.INTERLEAVED,
             f"the prompts share only {k} tokens: another conversation in the same session",
         )
-    return _break(k, prev, loc, BreakCause.UNKNOWN, "the prompt changed before its end")
+    where = "at the head" if head else "before its end"
+    return _break(k, prev, loc, BreakCause.UNKNOWN, f"the prompt changed {where}")
+
+
+def _short_token_change(
+    a: Sequence[int], b: Sequence[int], k: int, max_tokens: int = 16, sync: int = 8
+) -> bool:
+    """After a change of at most ``max_tokens`` tokens at ``k``, ``b`` goes on as ``a`` did."""
+    for x in range(max_tokens + 1):
+        anchor = list(a[k + x : k + x + sync])
+        if len(anchor) < sync:
+            return False
+        for y in range(max(0, x - max_tokens), x + max_tokens + 1):
+            if list(b[k + y : k + y + sync]) == anchor:
+                return True
+    return False
 
 
 def _shares_suffix(a: Sequence[int], b: Sequence[int], min_tokens: int = 16) -> bool:

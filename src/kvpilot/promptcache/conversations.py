@@ -65,7 +65,8 @@ class BreakDetector:
     def __init__(self, block_size: int = 16, max_conversations: int = MAX_CONVERSATIONS) -> None:
         self.block_size = block_size
         self.max_conversations = max_conversations
-        self.conversations: list[Conversation] = []  # most recently used last
+        self.conversations: list[Conversation] = []  # remembered, most recently used last
+        self.retired: list[Conversation] = []  # forgotten ones (their counters only)
         self._next = 0
         self._current: Conversation | None = None
 
@@ -120,7 +121,9 @@ class BreakDetector:
         self._next += 1
         self.conversations.append(conv)
         if len(self.conversations) > self.max_conversations:
-            self.conversations.pop(0)
+            old = self.conversations.pop(0)
+            old.last = PromptView(())
+            self.retired.append(old)
         self._current = conv
         return Observation(conv.number, 0, brk, switched=brk is not None)
 
@@ -132,3 +135,7 @@ class BreakDetector:
     @property
     def num_conversations(self) -> int:
         return self._next
+
+    def all_conversations(self) -> list[Conversation]:
+        """Every conversation seen, in order of appearance."""
+        return sorted([*self.retired, *self.conversations], key=lambda c: c.number)

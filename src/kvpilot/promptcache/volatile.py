@@ -34,6 +34,7 @@ _PATTERNS: tuple[tuple[str, re.Pattern[str]], ...] = (
     ("hex_id", re.compile(r"(?=[0-9a-fA-F_-]*\d)[0-9a-fA-F_-]{8,}")),
     ("counter", re.compile(r"\d+")),
 )
+_SEPARATORS = re.compile(r"([^0-9A-Za-z:.\-_+/]+)")
 _TRAILING = ".:-_/+"  # sentence punctuation after a value is not part of it
 MAX_VALUE_CHARS = 48  # a longer differing stretch is content, not a field
 
@@ -74,6 +75,13 @@ def _widen(text: str, start: int, end: int) -> tuple[int, int]:
     return start, end
 
 
+def _expand(old: str, new: str, head: int, tail: int) -> tuple[int, int, int]:
+    """Start, and ends in ``old`` and ``new``, of the differing stretch widened to values."""
+    start_old, end_old = _widen(old, head, len(old) - tail)
+    start_new, end_new = _widen(new, head, len(new) - tail)
+    return min(start_old, start_new), end_old, end_new
+
+
 def _kind(value: str) -> str | None:
     for kind, pattern in _PATTERNS:
         if pattern.fullmatch(value):
@@ -81,7 +89,9 @@ def _kind(value: str) -> str | None:
     return None
 
 
-def find_volatile_field(old: str, new: str, max_chars: int = MAX_VALUE_CHARS) -> VolatileField | None:
+def find_volatile_field(
+    old: str, new: str, max_chars: int = MAX_VALUE_CHARS
+) -> VolatileField | None:
     """The one short value that differs between ``old`` and ``new``, or None.
 
     None when the texts are equal, differ in more than one place, or differ in a stretch
@@ -91,20 +101,35 @@ def find_volatile_field(old: str, new: str, max_chars: int = MAX_VALUE_CHARS) ->
         return None
     head = common_prefix_chars(old, new)
     tail = common_suffix_chars(old, new, min(len(old), len(new)) - head)
-    start_old, end_old = _widen(old, head, len(old) - tail)
-    start_new, end_new = _widen(new, head, len(new) - tail)
-    if start_old != start_new or old[:start_old] != new[:start_new]:
-        return None
-    a, b = old[start_old:end_old].rstrip(_TRAILING), new[start_new:end_new].rstrip(_TRAILING)
+    start, end_old, end_new = _expand(old, new, head, tail)
+    a, b = old[start:end_old].rstrip(_TRAILING), new[start:end_new].rstrip(_TRAILING)
+    start_old = start
     if not a or not b or len(a) > max_chars or len(b) > max_chars:
         return None
+    kind = _pair_kind(a, b)
+    if kind is None:
+        # Several values in a short stretch ("[request 0003 at 2025-01-04]"): the same
+        # separators, and every piece that differs is a value.
+        pieces_a, pieces_b = _SEPARATORS.split(a), _SEPARATORS.split(b)
+        if len(pieces_a) != len(pieces_b) or pieces_a[1::2] != pieces_b[1::2]:
+            return None
+        kinds = [_pair_kind(x, y) for x, y in zip(pieces_a[::2], pieces_b[::2], strict=True)]
+        differing = [
+            k for k, x, y in zip(kinds, pieces_a[::2], pieces_b[::2], strict=True) if x != y
+        ]
+        if not differing or None in differing:
+            return None
+        kind = differing[0]
+    return VolatileField(kind, a, b, start_old)
+
+
+def _pair_kind(a: str, b: str) -> str | None:
     kind_a, kind_b = _kind(a), _kind(b)
     if kind_a is None or kind_b is None:
         return None
-    kind = kind_a if kind_a == kind_b else "timestamp" if "timestamp" in (kind_a, kind_b) else None
-    if kind is None:
-        return None
-    return VolatileField(kind, a, b, start_old)
+    if kind_a == kind_b:
+        return kind_a
+    return "timestamp" if "timestamp" in (kind_a, kind_b) else kind_a
 
 
 def find_volatile_in_prompt(
