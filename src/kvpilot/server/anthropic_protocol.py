@@ -153,6 +153,7 @@ class MessagesRequest(BaseModel):
     top_k: StrictInt | None = Field(None, ge=0)
     stream: StrictBool = False
     metadata: Metadata | None = None
+    cache_control: CacheControl | None = None  # a breakpoint on the last block
     # kvpilot's extras, as on the OpenAI routes
     session_id: StrictStr | None = Field(None, min_length=1, max_length=128)
     expected_tool_wait_s: StrictFloat | None = Field(None, ge=0.0, allow_inf_nan=False)
@@ -220,6 +221,16 @@ class MessagesRequest(BaseModel):
                 msgs.append(m.template_message(upto=j))
                 where = f"messages[{i}].content[{j}]"
                 marks.append(BreakpointSpec(msgs, all_tools, TTLS_S[b.cache_control.ttl], where))
+        if self.cache_control is not None:  # the last block of the last message
+            i = len(self.messages) - 1
+            j = len(self.messages[i].blocks()) - 1
+            if self.messages[i].blocks()[j].cache_control is None:
+                msgs = [*head, *(x.template_message() for x in self.messages)]
+                marks.append(
+                    BreakpointSpec(
+                        msgs, all_tools, TTLS_S[self.cache_control.ttl], "cache_control"
+                    )
+                )
         if len(marks) > MAX_BREAKPOINTS:
             raise ApiError(
                 400,
