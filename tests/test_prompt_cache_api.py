@@ -55,7 +55,9 @@ class Harness:
         text = self.http.get("/metrics").text
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
-                if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                if sample.name == name and all(
+                    sample.labels.get(k) == v for k, v in labels.items()
+                ):
                     return sample.value
         return 0.0
 
@@ -80,7 +82,9 @@ def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Harness]:
         harness = Harness(server, clock)
         yield harness
         harness.state.engine.call_blocking(lambda e: e.check_invariants(), timeout=60)
-        harness.state.engine.call_blocking(lambda e: harness.state.prompt_cache.pins.check_invariants())
+        harness.state.engine.call_blocking(
+            lambda e: harness.state.prompt_cache.pins.check_invariants()
+        )
 
 
 def cached_system(text: str = SYSTEM, ttl: str = "5m") -> list[dict[str, Any]]:
@@ -200,7 +204,9 @@ def test_longer_ttl_after_shorter_is_refused(srv: Harness) -> None:
     assert err.value.body["type"] == "error"
     assert err.value.body["error"]["type"] == "invalid_request_error"
     assert "longer ttl" in err.value.body["error"]["message"]
-    five = [{"type": "text", "text": f"p{i}", "cache_control": {"type": "ephemeral"}} for i in range(5)]
+    five = [
+        {"type": "text", "text": f"p{i}", "cache_control": {"type": "ephemeral"}} for i in range(5)
+    ]
     with pytest.raises(anthropic.BadRequestError, match="maximum of 4"):
         client.messages.create(
             model="tiny", max_tokens=4, messages=[{"role": "user", "content": five}]
@@ -295,8 +301,9 @@ def test_ledger_totals_equal_the_responses_usage(srv: Harness) -> None:
     assert totals["cost"] == pytest.approx(expected)
     other = srv.http.get("/v1/usage", headers={"Authorization": "Bearer key-b"}).json()
     assert other["totals"]["requests"] == 0  # tenant-scoped
-    assert srv.metric("kvpilot_usage_tokens_total", tenant="ledger", kind="cached_read") == (
-        seen["cached_read_tokens"]
+    assert (
+        srv.metric("kvpilot_usage_tokens_total", tenant="ledger", kind="cached_read")
+        == (seen["cached_read_tokens"])
     )
     bad = srv.http.get("/v1/usage?start=yesterday", headers={"Authorization": "Bearer key-b"})
     assert bad.status_code == 400 and "ISO 8601" in bad.json()["error"]["message"]
@@ -346,7 +353,10 @@ def test_openai_prompt_cache_key_groups_requests(srv: Harness) -> None:
 
 def test_openai_retention_24h_pins_the_prompt(srv: Harness) -> None:
     client = srv.openai("key-b")
-    messages = [{"role": "system", "content": "Retention. " + SYSTEM}, {"role": "user", "content": "x"}]
+    messages = [
+        {"role": "system", "content": "Retention. " + SYSTEM},
+        {"role": "user", "content": "x"},
+    ]
     first = client.chat.completions.create(
         model="tiny", max_tokens=2, messages=messages,
         extra_body={"prompt_cache_retention": "24h"},

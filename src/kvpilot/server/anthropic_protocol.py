@@ -227,9 +227,7 @@ class MessagesRequest(BaseModel):
             if self.messages[i].blocks()[j].cache_control is None:
                 msgs = [*head, *(x.template_message() for x in self.messages)]
                 marks.append(
-                    BreakpointSpec(
-                        msgs, all_tools, TTLS_S[self.cache_control.ttl], "cache_control"
-                    )
+                    BreakpointSpec(msgs, all_tools, TTLS_S[self.cache_control.ttl], "cache_control")
                 )
         if len(marks) > MAX_BREAKPOINTS:
             raise ApiError(
