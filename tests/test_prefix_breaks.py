@@ -50,6 +50,14 @@ def test_appending_is_not_a_break() -> None:
     assert classify_break(view(conversation(2)), view(conversation(3))) is None
 
 
+def test_extending_the_last_message_is_not_a_break() -> None:
+    a = conversation(2)
+    b = [*a[:-1], {"role": "user", "content": a[-1]["content"] + "\nmore output"}]
+    assert classify_break(view(a), view(b)) is None
+    c = [*a[:-1], {"role": "user", "content": "other" + a[-1]["content"]}]
+    assert classify_break(view(a), view(c)) is not None
+
+
 def test_timestamp_at_head_of_system_prompt_is_volatile_field_at_head() -> None:
     a = view(conversation(2, system="Current time: 2025-06-01 10:31:07\n" + SYSTEM))
     b = view(conversation(3, system="Current time: 2025-06-01 10:32:44\n" + SYSTEM))

@@ -196,6 +196,8 @@ def classify_break(prev: PromptView, new: PromptView) -> PrefixBreak | None:
     if k >= len(prev.tokens):
         return None
     if prev.structured and new.structured:
+        if _extends_last_message(prev, new):
+            return None
         return _structured(prev, new, k)
     return _unstructured(prev, new, k)
 
@@ -271,6 +273,19 @@ def _structured(prev: PromptView, new: PromptView, k: int) -> PrefixBreak:
             f"({len(prev.messages)} -> {len(new.messages)} messages)",
         )
     return _break(k, prev, where, BreakCause.EDITED, f"message {new_m.index} was edited")
+
+
+def _extends_last_message(prev: PromptView, new: PromptView) -> bool:
+    """``new`` only appends to the content of ``prev``'s last message (and may add messages
+    after it): everything sent before is resent, only the template's end-of-message and
+    generation-prompt tokens after the old content are not reused."""
+    if (prev.system, prev.tools) != (new.system, new.tools) or not prev.messages:
+        return False
+    n = len(prev.messages)
+    if len(new.messages) < n or prev.messages[: n - 1] != new.messages[: n - 1]:
+        return False
+    old, cur = prev.messages[-1], new.messages[n - 1]
+    return old.role == cur.role and cur.content.startswith(old.content)
 
 
 def _field_change(
