@@ -78,6 +78,15 @@ def test_pins_are_per_salt_and_longest_first() -> None:
     assert len(table) == 0
 
 
+def test_pins_stay_within_their_budget() -> None:
+    holder = FakeHolder()
+    table = PinTable(B, holder, Clock(), budget_tokens=40)
+    first = table.pin(list(range(64)), "a", [(16, 300.0), (32, 300.0)])
+    assert first.created == ((16, 300.0),) and first.over_budget == (32,)
+    assert table.held_tokens == 16 and len(holder.held) == 1
+    table.check_invariants()
+
+
 def test_a_prefix_no_longer_cached_is_not_pinned() -> None:
     table = PinTable(B, FakeHolder(cached=8), Clock())
     result = table.pin(list(range(32)), None, [(16, 300.0)])

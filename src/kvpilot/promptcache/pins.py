@@ -58,13 +58,24 @@ class PinResult:
 
     created: tuple[tuple[int, float], ...]  # (pinned tokens, ttl) of each new pin
     refreshed: tuple[int, ...]  # pinned tokens of each pin that already existed
+    over_budget: tuple[int, ...] = ()  # not pinned: the pin budget was full
 
 
 class PinTable(Generic[H]):
-    def __init__(self, block_size: int, holder: Holder[H], clock: Callable[[], float]) -> None:
+    def __init__(
+        self,
+        block_size: int,
+        holder: Holder[H],
+        clock: Callable[[], float],
+        budget_tokens: int | None = None,
+    ) -> None:
         self.block_size = block_size
         self.holder = holder
         self.now = clock
+        # Most tokens held by pins at once (each pin counted whole, shared prefixes again):
+        # pinned KV must leave the engine room to run. None: no limit.
+        self.budget_tokens = budget_tokens
+        self.held_tokens = 0
         self._pins: dict[tuple[str | None, bytes], Pin[H]] = {}
 
     def __len__(self) -> int:
@@ -83,8 +94,13 @@ class PinTable(Generic[H]):
         now = self.now()
         lapsed = [k for k, p in self._pins.items() if p.expires_at <= now]
         for k in lapsed:
-            self.holder.release(self._pins.pop(k).handle)
+            self._drop(k)
         return len(lapsed)
+
+    def _drop(self, key: tuple[str | None, bytes]) -> None:
+        pin = self._pins.pop(key)
+        self.held_tokens -= pin.tokens
+        self.holder.release(pin.handle)
 
     def longest_live(self, tokens: Sequence[int], salt: str | None) -> Pin[H] | None:
         """The longest live pin that is a prefix of ``tokens`` (expired ones released)."""
@@ -117,6 +133,7 @@ class PinTable(Generic[H]):
         keys = self._prefix_keys(tokens, salt)
         created: list[tuple[int, float]] = []
         refreshed: list[int] = []
+        over: list[int] = []
         for p, ttl in breakpoints:
             if p < self.block_size or p % self.block_size:
                 raise ValueError(f"breakpoint {p} is not a positive multiple of the block size")
@@ -127,6 +144,9 @@ class PinTable(Generic[H]):
                 pin.expires_at = max(pin.expires_at, now + ttl)
                 refreshed.append(p)
                 continue
+            if self.budget_tokens is not None and self.held_tokens + p > self.budget_tokens:
+                over.append(p)
+                continue
             held = self.holder.hold(salt, tokens[:p])
             if held is None:
                 continue
@@ -135,15 +155,20 @@ class PinTable(Generic[H]):
                 self.holder.release(handle)
                 continue
             self._pins[(salt, key)] = Pin(salt, key, p, ttl, now + ttl, handle)
+            self.held_tokens += p
             created.append((p, ttl))
-        return PinResult(tuple(created), tuple(refreshed))
+        return PinResult(tuple(created), tuple(refreshed), tuple(over))
 
     def release_all(self) -> None:
-        for pin in self._pins.values():
-            self.holder.release(pin.handle)
-        self._pins.clear()
+        for key in list(self._pins):
+            self._drop(key)
 
     def check_invariants(self) -> None:
+        total = sum(p.tokens for p in self._pins.values())
+        if total != self.held_tokens:
+            raise AssertionError(f"pins hold {total} tokens, the table counts {self.held_tokens}")
+        if self.budget_tokens is not None and total > self.budget_tokens:
+            raise AssertionError(f"pins hold {total} tokens, over the budget {self.budget_tokens}")
         for (salt, key), pin in self._pins.items():
             if pin.salt != salt or pin.key != key:
                 raise AssertionError(f"pin of {pin.tokens} tokens filed under another key")

@@ -48,6 +48,7 @@ MAX_GROUPS = 10_000  # break detectors kept (least recently used dropped)
 @dataclass(frozen=True, slots=True)
 class PromptCacheConfig:
     min_cacheable_tokens: int = 1024  # a breakpoint before this many tokens caches nothing
+    max_pinned_fraction: float = 0.5  # of the device KV pool that pins may hold
     ledger_dir: Path | None = None  # None: the ledger lives in memory
     prices: PriceTable = field(default_factory=PriceTable)
     clock: Callable[[], float] = time.monotonic  # TTLs run on it (tests inject one)
@@ -68,8 +69,12 @@ class PromptCache:
     ) -> None:
         self.config = config
         self.block_size = engine.kv.block_size
+        pool_tokens = engine.kv.device.num_blocks * self.block_size
         self.pins: PinTable[RadixNode] = PinTable(
-            self.block_size, RadixHolder(engine.kv), config.clock
+            self.block_size,
+            RadixHolder(engine.kv),
+            config.clock,
+            budget_tokens=int(pool_tokens * config.max_pinned_fraction),
         )
         self.ledger = UsageLedger(config.ledger_dir, config.prices)
         self._detectors: OrderedDict[tuple[str, ...], BreakDetector] = OrderedDict()
@@ -140,6 +145,11 @@ class PromptCache:
                 entry["skipped"] = (
                     f"shorter than the minimum cacheable prompt "
                     f"({self.config.min_cacheable_tokens} tokens)"
+                )
+            elif p in result.over_budget:
+                entry["skipped"] = (
+                    f"pinned prefixes already hold {self.pins.held_tokens} tokens of the "
+                    f"{self.pins.budget_tokens} they may (half the device KV pool)"
                 )
             described.append(entry)
         return CacheOutcome(usage, tuple(described))
