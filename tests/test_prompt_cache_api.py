@@ -4,6 +4,7 @@ against a real server on loopback, TTLs on an injected clock."""
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterator
 from typing import Any
 
@@ -309,7 +310,10 @@ def test_ledger_totals_equal_the_responses_usage(srv: Harness) -> None:
     assert bad.status_code == 400 and "ISO 8601" in bad.json()["error"]["message"]
 
 
-def test_volatile_head_reported_in_header_metric_and_session(srv: Harness) -> None:
+def test_volatile_head_reported_in_header_metric_and_session(
+    srv: Harness, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="kvpilot.prefix_break")
     sid = srv.http.post("/v1/sessions", headers={"Authorization": "Bearer key-a"}).json()["id"]
     client = srv.anthropic()
     before = srv.metric("kvpilot_prefix_breaks_total", cause="volatile_field_at_head")
@@ -332,6 +336,24 @@ def test_volatile_head_reported_in_header_metric_and_session(srv: Harness) -> No
     assert body["prefix_breaks"] == {"volatile_field_at_head": 1}
     assert body["last_prefix_break"]["volatile"]["old"] == "10:31:07"
     assert 0.0 <= body["h_prefix"] < 1.0
+    logged = [
+        json.loads(r.getMessage()) for r in caplog.records if r.name == "kvpilot.prefix_break"
+    ]
+    assert [x["cause"] for x in logged if x["group"] == ["session", sid]] == [
+        "volatile_field_at_head"
+    ]
+    assert logged[-1]["event"] == "prefix_break" and logged[-1]["field"] == "system"
+
+
+def test_session_turn_with_a_tool_wait_pauses(srv: Harness) -> None:
+    sid = srv.http.post("/v1/sessions", headers={"Authorization": "Bearer key-a"}).json()["id"]
+    message = ask(
+        srv.anthropic(),
+        "run the tests",
+        extra_body={"session_id": sid, "expected_tool_wait_s": 5.0},
+    )
+    assert info(message)["session_id"] == sid
+    assert info(message)["pause"] is not None and info(message)["pause"]["action"]
 
 
 def test_openai_prompt_cache_key_groups_requests(srv: Harness) -> None:
