@@ -19,6 +19,7 @@ if TYPE_CHECKING:  # FastAPI and the server load only when `serve` runs
 
     from kvpilot.server.banner import StartupBanner
     from kvpilot.server.limits import ServerLimits
+    from kvpilot.server.prompt_cache import PromptCacheConfig
 
 
 def _default_limits() -> ServerLimits:
@@ -46,8 +47,13 @@ class ServeOptions:
     attention: str | None = None
     gpu_memory_utilization: float | None = None
     limits: ServerLimits = dataclasses.field(default_factory=_default_limits)
+    prices: Path | None = None
+    usage_dir: Path | None = None
+    prompt_cache_min_tokens: int = 1024
 
     def __post_init__(self) -> None:
+        if self.prompt_cache_min_tokens < 1:
+            raise ConfigError("--prompt-cache-min-tokens must be at least 1")
         if self.kv_memory_bytes is not None and self.kv_blocks is not None:
             raise ConfigError("give --kv-memory or --kv-blocks, not both")
         if self.policy not in POLICY_NAMES:
@@ -106,7 +112,25 @@ def build_app(options: ServeOptions, banner: StartupBanner | None = None) -> Fas
     if banner is not None:
         banner.engine_ready(engine)
     return create_app(
-        engine, model_name=options.model, limits=options.limits, api_keys=keys, options=given
+        engine,
+        model_name=options.model,
+        limits=options.limits,
+        api_keys=keys,
+        options=given,
+        prompt_cache=prompt_cache_config(options),
+    )
+
+
+def prompt_cache_config(options: ServeOptions) -> PromptCacheConfig:
+    """Breakpoints' minimum length, and the usage ledger: next to the disk tier unless
+    --usage-dir says where (in memory when there is neither), priced by --prices."""
+    from kvpilot.promptcache.prices import PriceTable
+    from kvpilot.server.prompt_cache import PromptCacheConfig
+
+    return PromptCacheConfig(
+        min_cacheable_tokens=options.prompt_cache_min_tokens,
+        ledger_dir=options.usage_dir or options.disk_dir,
+        prices=PriceTable.load(options.prices) if options.prices else PriceTable(),
     )
 
 
@@ -174,13 +198,24 @@ def serve(
     router: Annotated[
         str, typer.Option(help="Fleet router: kvpilot, round_robin, power_of_two, ...")
     ] = "kvpilot",
+    prices: Annotated[
+        Path | None, typer.Option(help="Price table for the usage ledger (TOML, per Mtok).")
+    ] = None,
+    usage_dir: Annotated[
+        Path | None, typer.Option(help="Folder of the usage ledger (default: --disk-dir).")
+    ] = None,
+    prompt_cache_min_tokens: Annotated[
+        int, typer.Option(help="Shortest prefix a cache_control breakpoint caches, tokens.")
+    ] = 1024,
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API, with agent sessions and /metrics.
 
     With --host-memory and/or --disk-dir, paused sessions' KV can move to host memory or
-    disk; --policy decides per pause (breakeven: the spec's break-even rule). With
-    --replicas N (or --ray-address), N engine replicas run on Ray Serve behind kvpilot's
-    prefix-aware router (needs the fleet extra: pip install 'kvpilot[fleet]').
+    disk; --policy decides per pause (breakeven: the spec's break-even rule). Anthropic's
+    /v1/messages is served too, with cache breakpoints; usage goes to a ledger
+    (GET /v1/usage), priced by --prices. With --replicas N (or --ray-address), N engine
+    replicas run on Ray Serve behind kvpilot's prefix-aware router (needs the fleet
+    extra: pip install 'kvpilot[fleet]').
     """
     from kvpilot.cli.checks import DTYPE_NAMES, check_checkpoint, check_choice, check_device
     from kvpilot.cli.checks import for_flag as flag
@@ -215,6 +250,9 @@ def serve(
                 max_sessions_per_tenant=max_sessions_per_tenant,
                 max_body_bytes=max_body_bytes,
             ),
+            prices=prices,
+            usage_dir=usage_dir,
+            prompt_cache_min_tokens=prompt_cache_min_tokens,
         )
     except KvpilotError as exc:
         typer.echo(f"error: {exc}", err=True)

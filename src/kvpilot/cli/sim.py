@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 from functools import partial
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -37,6 +37,9 @@ from kvpilot.cli.sim_support import (
 from kvpilot.cli.sim_support import progress as _progress
 from kvpilot.errors import ConfigError, KvpilotError
 from kvpilot.units import parse_bytes, parse_duration
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 
 def _fail(exc: KvpilotError) -> typer.Exit:
@@ -411,8 +414,9 @@ def trace_analyze(
         Path | None, typer.Option(help="JSON zone markers [{zone, marker, after}].")
     ] = None,
     turns: Annotated[bool, typer.Option(help="Also print every call.")] = False,
+    top: Annotated[int, typer.Option(help="Rows per table (sessions, breaks).", min=1)] = 10,
 ) -> None:
-    """Diagnose a trace's prefix reuse: hits vs ideal, where prompts diverge, tool waits."""
+    """Diagnose a trace's prefix reuse: hits vs ideal, why prompts diverge, tool waits."""
     from rich.console import Console
 
     from kvpilot.trace.analyze import (
@@ -443,6 +447,6 @@ def trace_analyze(
     if as_json:
         typer.echo(json.dumps(diagnosis.to_json()))
         return
-    render_diagnosis(console, diagnosis, turns)
+    render_diagnosis(console, diagnosis, turns, top)
     if plot is not None:
         console.print(f"wrote {plot}")

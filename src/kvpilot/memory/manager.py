@@ -57,6 +57,8 @@ class KVManager:
         self.pins: dict[Tier, Counter[int]] = {tier: Counter() for tier in self.pools}
         # Radix locks held by copies in flight (not by a trajectory): counted likewise.
         self.move_locks: Counter[RadixNode] = Counter()
+        # Radix locks held by prompt-cache breakpoints for their TTL: counted likewise.
+        self.prefix_pins: Counter[RadixNode] = Counter()
         self._ids = itertools.count()
 
     def open_trajectory(self, salt: str | None = None, tokens: Iterable[int] = ()) -> Trajectory:
@@ -145,7 +147,7 @@ class KVManager:
             while node is not None:
                 locks[node] += 1
                 node = node.parent
-        for bottom, n in self.move_locks.items():
+        for bottom, n in (self.move_locks + self.prefix_pins).items():
             node = bottom
             while node is not None:
                 locks[node] += n

@@ -124,6 +124,14 @@ async def get_session(
         "cached_tokens": record.cached_tokens,
         "cached_tokens_by_tier": {t: record.cached_tokens_by_tier[t] for t in TIERS},
         "hit_rate": record.hit_rate,
+        # H_prefix = sum(S_match) / sum(S_prompt) over the trajectory's turns, with the
+        # prefix breaks seen (by cause) and reuse per conversation sharing the session.
+        "h_prefix": record.hit_rate,
+        **(
+            state.prompt_cache.describe_group(("session", session_id))
+            if state.prompt_cache is not None
+            else {}
+        ),
         "last_divergence_index": record.last_divergence_index,
         "paused": live.pop("pause") is not None,
         "last_pause": record.last_pause,

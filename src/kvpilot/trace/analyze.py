@@ -11,8 +11,13 @@ For call i of a session (calls in timestamp order):
   the call only appended, which is what a cache-friendly layout does);
 * ``gap_s``: the time since call i-1 (generation plus the tool wait).
 
-A call *breaks the layout* when it diverges more than one block before the end of the
-previous call; a session with such calls recomputes what an append-only layout would reuse.
+Calls are compared through the prefix-break classifier the server uses
+(`kvpilot.promptcache`): a session that mixes several conversations (an orchestrator and its
+sub-agents, a user simulator and an agent) is split into them, reuse is counted per
+conversation, and a switch between conversations is not a break. A call *breaks the layout*
+when it diverges more than one block before the end of its conversation's previous call; it
+carries the classified cause (volatile field at the head, tool list changed, compaction, ...).
+The report shows the top N sessions and breaks, with counts of the rest.
 """
 
 from __future__ import annotations
@@ -30,10 +35,13 @@ from rich.console import Console
 from rich.table import Table
 
 from kvpilot.errors import ConfigError
+from kvpilot.promptcache.breaks import BreakCause, PromptView
+from kvpilot.promptcache.conversations import BreakDetector
 from kvpilot.trace.ideal import ideal_hits
 from kvpilot.trace.schema import TraceInput
 
 APPENDED = "appended"
+DEFAULT_TOP = 10  # rows per table in the report
 UNKNOWN = "unknown"
 
 
@@ -93,6 +101,9 @@ class CallDiagnosis:
     divergence_zone: str | None
     lost_tokens: int
     gap_s: float | None
+    conversation: int = 0
+    cause: str | None = None  # the classified cause of a divergence (`BreakCause`)
+    detail: str | None = None
 
     @property
     def breaks_layout(self) -> bool:
@@ -100,9 +111,23 @@ class CallDiagnosis:
 
 
 @dataclass(frozen=True, slots=True)
+class ConversationReuse:
+    number: int
+    calls: int
+    prompt_tokens: int
+    reuse_rate: float
+
+
+@dataclass(frozen=True, slots=True)
 class SessionDiagnosis:
     session_id: str
     calls: tuple[CallDiagnosis, ...]
+    conversations: tuple[ConversationReuse, ...] = ()
+
+    @property
+    def interleaved(self) -> bool:
+        """The session mixes several conversations."""
+        return len(self.conversations) > 1
 
     @property
     def prompt_tokens(self) -> int:
@@ -174,6 +199,18 @@ class TraceDiagnosis:
     def breaking_sessions(self) -> tuple[SessionDiagnosis, ...]:
         return tuple(s for s in self.sessions if s.breaks)
 
+    @property
+    def interleaved_sessions(self) -> tuple[SessionDiagnosis, ...]:
+        return tuple(s for s in self.sessions if s.interleaved)
+
+    @property
+    def causes(self) -> dict[str, int]:
+        """Breaks by cause (switches between interleaved conversations included)."""
+        counts: Counter[str] = Counter(
+            c.cause for s in self.sessions for c in s.calls if c.cause is not None
+        )
+        return dict(counts.most_common())
+
     def to_json(self) -> dict[str, Any]:
         return {
             "block_size": self.block_size,
@@ -182,7 +219,9 @@ class TraceDiagnosis:
             "ideal_hit_rate": self.ideal_rate,
             "tool_wait": asdict(self.gaps),
             "divergence_zones": dict(self.zones),
+            "causes": self.causes,
             "breaking_sessions": [s.session_id for s in self.breaking_sessions],
+            "interleaved_sessions": [s.session_id for s in self.interleaved_sessions],
             "sessions": [
                 {
                     "session_id": s.session_id,
@@ -190,6 +229,7 @@ class TraceDiagnosis:
                     "reuse_rate": s.reuse_rate,
                     "ideal_hit_rate": s.ideal_rate,
                     "lost_tokens": s.lost_tokens,
+                    "conversations": [asdict(c) for c in s.conversations],
                     "calls": [asdict(c) for c in s.calls],
                 }
                 for s in self.sessions
@@ -247,17 +287,37 @@ def diagnose(
     zones: Counter[str] = Counter()
     sessions = []
     for sid, idx in by_session.items():
+        detector = BreakDetector(block_size)
+        last_of: dict[int, TraceInput] = {}  # each conversation's previous call
         out: list[CallDiagnosis] = []
         for k, i in enumerate(idx):
             call = calls[i]
-            if k == 0:
+            seen = detector.observe(PromptView(call.tokens, call.text))
+            prev = last_of.get(seen.conversation)
+            last_of[seen.conversation] = call
+            gap = call.timestamp_s - calls[idx[k - 1]].timestamp_s if k else None
+            brk = seen.prefix_break
+            cause = str(brk.cause) if brk is not None else None
+            detail = brk.detail if brk is not None else None
+            if prev is None:
                 out.append(
                     CallDiagnosis(
-                        sid, 0, call.timestamp_s, len(call.tokens), 0, ideal[i], None, None, 0, None
+                        sid,
+                        k,
+                        call.timestamp_s,
+                        len(call.tokens),
+                        0,
+                        ideal[i],
+                        None,
+                        None,
+                        0,
+                        gap,
+                        seen.conversation,
+                        cause,
+                        detail,
                     )
                 )
                 continue
-            prev = calls[idx[k - 1]]
             div = _first_diff(prev.tokens, call.tokens)
             usable = (len(call.tokens) - 1) // block_size * block_size
             reuse = min(div // block_size * block_size, usable)
@@ -268,6 +328,8 @@ def diagnose(
                 lost = max(0, possible - reuse)
             zone = _zone(prev, call, div, block_size, markers)
             zones[zone] += 1
+            if brk is not None and brk.cause is BreakCause.INTERLEAVED:
+                lost = 0  # a switch back to this conversation, not a break of it
             out.append(
                 CallDiagnosis(
                     sid,
@@ -279,10 +341,17 @@ def diagnose(
                     div,
                     zone,
                     lost,
-                    call.timestamp_s - prev.timestamp_s,
+                    gap,
+                    seen.conversation,
+                    cause,
+                    detail,
                 )
             )
-        sessions.append(SessionDiagnosis(sid, tuple(out)))
+        conversations = tuple(
+            ConversationReuse(c.number, c.requests, c.prompt_tokens, c.reuse_rate)
+            for c in detector.all_conversations()
+        )
+        sessions.append(SessionDiagnosis(sid, tuple(out), conversations))
     gaps = [g for s in sessions for g in s.gaps_s]
     return TraceDiagnosis(block_size, tuple(sessions), GapSummary.of(gaps), dict(zones))
 
@@ -308,45 +377,12 @@ def short_id(session_id: str, width: int = 12) -> str:
     return s if len(s) <= width else s[: width - 1] + "…"
 
 
-def render_diagnosis(console: Console, d: TraceDiagnosis, turns: bool = False) -> None:
-    """The diagnosis as rich tables: per session, the breaking calls, optionally every call."""
-    table = Table(title=f"prefix reuse per session (block {d.block_size})", title_justify="left")
-    for col in (
-        "session",
-        "calls",
-        "prompt tok",
-        "reuse prev",
-        "ideal",
-        "breaks",
-        "lost tok",
-        "gap p50",
-    ):
-        table.add_column(col, justify="left" if col == "session" else "right")
-    for s in d.sessions:
-        gaps = s.gaps_s
-        gap = f"{sorted(gaps)[len(gaps) // 2]:.1f} s" if gaps else "-"
-        table.add_row(
-            short_id(s.session_id),
-            str(len(s.calls)),
-            f"{s.prompt_tokens:,}",
-            f"{s.reuse_rate:.1%}",
-            f"{s.ideal_rate:.1%}",
-            str(len(s.breaks)),
-            f"{s.lost_tokens:,}",
-            gap,
-        )
-    table.add_row(
-        "all",
-        str(sum(len(s.calls) for s in d.sessions)),
-        f"{d.prompt_tokens:,}",
-        f"{d.reuse_rate:.1%}",
-        f"{d.ideal_rate:.1%}",
-        str(sum(len(s.breaks) for s in d.sessions)),
-        f"{sum(s.lost_tokens for s in d.sessions):,}",
-        "",
-        style="bold",
-    )
-    console.print(table)
+def render_diagnosis(
+    console: Console, d: TraceDiagnosis, turns: bool = False, top: int = DEFAULT_TOP
+) -> None:
+    """The diagnosis as rich tables: the top sessions, the causes of breaks with counts, the
+    top breaking calls, sessions that mix conversations; optionally every call."""
+    _render_sessions(console, d, top)
     g = d.gaps
     console.print(
         f"tool wait (gap between calls): n={g.count}, p50 {g.p50_s:.2f} s, p90 {g.p90_s:.2f} s, "
@@ -354,39 +390,122 @@ def render_diagnosis(console: Console, d: TraceDiagnosis, turns: bool = False) -
     )
     zones = ", ".join(f"{k}: {v}" for k, v in sorted(d.zones.items(), key=lambda kv: -kv[1]))
     console.print(f"where consecutive calls first differ: {zones or '-'}")
-    breaking = d.breaking_sessions
-    if breaking:
-        bt = Table(title="calls that break the prefix (layout problems)", title_justify="left")
-        for col in ("session", "call", "diverges at", "of prev", "zone", "lost tok"):
-            bt.add_column(col)
-        for s in breaking:
-            for c in s.breaks:
-                prev = s.calls[c.index - 1].prompt_tokens
-                bt.add_row(
-                    short_id(s.session_id),
-                    str(c.index),
-                    f"{c.divergence:,}",
-                    f"{c.divergence / prev:.0%}" if prev else "-",
-                    c.divergence_zone or "-",
-                    f"{c.lost_tokens:,}",
-                )
-        console.print(bt)
-    else:
-        console.print("no session breaks its prefix: every call extends the previous one")
+    _render_interleaved(console, d, top)
+    _render_breaks(console, d, top)
     if turns:
         tt = Table(title="calls", title_justify="left")
-        for col in ("session", "call", "tokens", "reuse", "ideal", "diverges at", "zone", "gap"):
+        for col in ("session", "call", "conv", "tokens", "reuse", "ideal", "diverges at", "cause"):
             tt.add_column(col)
         for s in d.sessions:
             for c in s.calls:
                 tt.add_row(
                     short_id(s.session_id),
                     str(c.index),
+                    str(c.conversation),
                     f"{c.prompt_tokens:,}",
                     f"{c.reuse_tokens:,}",
                     f"{c.ideal_tokens:,}",
                     "-" if c.divergence is None else f"{c.divergence:,}",
-                    c.divergence_zone or "-",
-                    "-" if c.gap_s is None else f"{c.gap_s:.2f} s",
+                    c.cause or c.divergence_zone or "-",
                 )
         console.print(tt)
+
+
+def _more(console: Console, shown: int, total: int, what: str) -> None:
+    if total > shown:
+        console.print(f"  ... and {total - shown:,} more {what} (--top N shows more, --json all)")
+
+
+def _render_sessions(console: Console, d: TraceDiagnosis, top: int) -> None:
+    ranked = sorted(d.sessions, key=lambda s: (-s.lost_tokens, -s.prompt_tokens))[:top]
+    title = f"prefix reuse per session (block {d.block_size}; top {len(ranked)} by lost tokens)"
+    table = Table(title=title, title_justify="left")
+    for col in ("session", "calls", "conv", "prompt tok", "reuse", "ideal", "breaks", "lost tok"):
+        table.add_column(col, justify="left" if col == "session" else "right")
+    for s in ranked:
+        table.add_row(
+            short_id(s.session_id),
+            str(len(s.calls)),
+            str(max(1, len(s.conversations))),
+            f"{s.prompt_tokens:,}",
+            f"{s.reuse_rate:.1%}",
+            f"{s.ideal_rate:.1%}",
+            str(len(s.breaks)),
+            f"{s.lost_tokens:,}",
+        )
+    table.add_row(
+        f"all {len(d.sessions):,}",
+        f"{sum(len(s.calls) for s in d.sessions):,}",
+        f"{sum(max(1, len(s.conversations)) for s in d.sessions):,}",
+        f"{d.prompt_tokens:,}",
+        f"{d.reuse_rate:.1%}",
+        f"{d.ideal_rate:.1%}",
+        f"{sum(len(s.breaks) for s in d.sessions):,}",
+        f"{sum(s.lost_tokens for s in d.sessions):,}",
+        style="bold",
+    )
+    console.print(table)
+    _more(console, len(ranked), len(d.sessions), "sessions")
+
+
+def _render_interleaved(console: Console, d: TraceDiagnosis, top: int) -> None:
+    mixed = d.interleaved_sessions
+    if not mixed:
+        return
+    console.print(
+        f"{len(mixed):,} session(s) mix several conversations (an orchestrator and its "
+        "sub-agents, or a user simulator and an agent, under one session id); their reuse "
+        "is counted per conversation, and switches between them are not breaks:"
+    )
+    table = Table(title_justify="left")
+    for col in ("session", "conversations", "calls per conversation", "reuse per conversation"):
+        table.add_column(col)
+    ranked = sorted(mixed, key=lambda s: -len(s.conversations))[:top]
+    for s in ranked:
+        convs = s.conversations[:6]
+        tail = " ..." if len(s.conversations) > 6 else ""
+        table.add_row(
+            short_id(s.session_id),
+            str(len(s.conversations)),
+            " ".join(str(c.calls) for c in convs) + tail,
+            " ".join(f"{c.reuse_rate:.0%}" for c in convs) + tail,
+        )
+    console.print(table)
+    _more(console, len(ranked), len(mixed), "mixed sessions")
+
+
+def _render_breaks(console: Console, d: TraceDiagnosis, top: int) -> None:
+    breaks = [(s, c) for s in d.sessions for c in s.breaks]
+    if not breaks:
+        console.print("no conversation breaks its prefix: every call extends the one before")
+        return
+    by_cause: dict[str, list[CallDiagnosis]] = {}
+    for _, c in breaks:
+        by_cause.setdefault(c.cause or UNKNOWN, []).append(c)
+    ct = Table(title="why prefixes break (by cause)", title_justify="left")
+    for col in ("cause", "calls", "sessions", "lost tok", "example"):
+        ct.add_column(col)
+    for cause, cs in sorted(by_cause.items(), key=lambda kv: -sum(c.lost_tokens for c in kv[1])):
+        ct.add_row(
+            cause,
+            f"{len(cs):,}",
+            f"{len({c.session_id for c in cs}):,}",
+            f"{sum(c.lost_tokens for c in cs):,}",
+            (cs[0].detail or "")[:60],
+        )
+    console.print(ct)
+    ranked = sorted(breaks, key=lambda sc: -sc[1].lost_tokens)[:top]
+    bt = Table(title=f"top {len(ranked)} breaking calls (by lost tokens)", title_justify="left")
+    for col in ("session", "call", "diverges at", "zone", "cause", "lost tok"):
+        bt.add_column(col)
+    for s, c in ranked:
+        bt.add_row(
+            short_id(s.session_id),
+            str(c.index),
+            f"{c.divergence:,}" if c.divergence is not None else "-",
+            c.divergence_zone or "-",
+            c.cause or "-",
+            f"{c.lost_tokens:,}",
+        )
+    console.print(bt)
+    _more(console, len(ranked), len(breaks), "breaking calls")
