@@ -14,7 +14,10 @@ about as dense), so a `tiny` context of 8k tokens holds ~32k characters of trace
 
 Every policy runs on the same replay in one run. Per policy: completed turns per second,
 recomputed prefill tokens, p50/p99 time to first token on resume, GB·s held on device by
-idle trajectories, bytes moved per tier. The last line is one JSON object.
+idle trajectories, bytes moved per tier, and mismatches: turns whose output differs from a
+recompute of the same turn from its tokens (on an engine without tiers, which never pauses
+or moves KV; freed blocks are poisoned in every run), which must be 0. The last line is one
+JSON object.
 
 Usage: python benchmarks/bench_pause.py [--quick] [--models tiny,llama-100m]
 """
@@ -86,7 +89,32 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-def replay(model: str, policy: str, sessions: list[list[Turn]], kv_blocks: int) -> dict:
+def recompute(
+    model: str, sessions: list[list[Turn]], kv_blocks: int
+) -> dict[tuple[int, int], list[int]]:
+    """Each turn's output from its tokens alone: a plain request per turn on an engine
+    without tiers or sessions (its prefix cache reuses only its own recompute of the
+    session's previous turns, under a salt per session)."""
+    engine = Engine.from_pretrained(
+        model, kv_blocks=kv_blocks, max_num_batched_tokens=1024, max_prefill_chunk=512
+    )
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    outputs = {}
+    for i, turns in enumerate(sessions):
+        for t, turn in enumerate(turns):
+            (out,) = engine.generate([turn.tokens], params, salt=f"session-{i}")
+            outputs[(i, t)] = list(out.token_ids)
+    engine.close()
+    return outputs
+
+
+def replay(
+    model: str,
+    policy: str,
+    sessions: list[list[Turn]],
+    kv_blocks: int,
+    expected: dict[tuple[int, int], list[int]],
+) -> dict:
     with tempfile.TemporaryDirectory(prefix=f"kvpilot-pause-{policy}-") as disk:
         engine = Engine.from_pretrained(
             model,
@@ -97,13 +125,14 @@ def replay(model: str, policy: str, sessions: list[list[Turn]], kv_blocks: int) 
             pause_policy=policy,
             max_num_batched_tokens=1024,
             max_prefill_chunk=512,
+            poison_freed_blocks=True,
         )
         params = SamplingParams(max_tokens=4, ignore_eos=True)
         handles = [engine.open_session() for _ in sessions]
         nxt = [0] * len(sessions)
         due = [0.02 * i for i in range(len(sessions))]
         pending: dict[str, int] = {}
-        turns_done = 0
+        turns_done = mismatches = 0
         start = time.perf_counter()
         while turns_done < sum(len(s) for s in sessions):
             now = time.perf_counter() - start
@@ -136,6 +165,7 @@ def replay(model: str, policy: str, sessions: list[list[Turn]], kv_blocks: int) 
                     continue
                 if out.finished:
                     engine.pop_output(rid)
+                    mismatches += list(out.token_ids) != expected[(i, nxt[i])]
                     del pending[rid]
                     due[i] = time.perf_counter() - start + sessions[i][nxt[i]].wait_s
                     nxt[i] += 1
@@ -154,6 +184,7 @@ def replay(model: str, policy: str, sessions: list[list[Turn]], kv_blocks: int) 
             "preemptions": engine.scheduler.num_preemptions,
             "hit_rate": round(engine.stats.hit_rate, 4),
             "wall_s": round(wall, 2),
+            "mismatches": mismatches,
         }
         for s in handles:
             s.close()
@@ -198,10 +229,12 @@ def main() -> None:
         print(
             f"{'policy':<14}{'turns/s':>8}{'recomputed':>12}{'p50 resume':>12}{'p99 resume':>12}"
             f"{'idle GB·s':>11}{'to host MB':>11}{'to disk MB':>11}{'preempt':>9}"
+            f"{'mismatch':>10}"
         )
+        expected = recompute(model, sessions, max(blocks, max_tokens // 16 + 2))
         report[name] = {}
         for policy in POLICY_NAMES:
-            r = replay(model, policy, sessions, blocks)
+            r = replay(model, policy, sessions, blocks, expected)
             report[name][policy] = r
             moved = r["bytes_moved"]
             print(
@@ -209,6 +242,7 @@ def main() -> None:
                 f"{r['p50_resume_ttft_s'] * 1e3:>10.0f}ms{r['p99_resume_ttft_s'] * 1e3:>10.0f}ms"
                 f"{r['idle_gb_s']:>11.3f}{moved['device_to_host'] / 1e6:>11.1f}"
                 f"{moved['device_to_disk'] / 1e6:>11.1f}{r['preemptions']:>9}"
+                f"{r['mismatches']:>10}"
             )
         be = report[name]["breakeven"]
         others = [v for k, v in report[name].items() if k != "breakeven"]
@@ -231,14 +265,20 @@ def main() -> None:
                     "p99_resume_ttft_s",
                     "idle_gb_s",
                     "bytes_moved",
+                    "mismatches",
                 )
             }
             for name in report
             for policy in ([] if name != next(iter(report)) else POLICY_NAMES)
         },
         "by_model": report,
+        "mismatches": sum(r["mismatches"] for by in report.values() for r in by.values()),
         "compression": args.compression,
     }
+    print(
+        f"\nturns whose output differs from a recompute of the same turn: "
+        f"{headline['mismatches']} (must be 0)"
+    )
     print(json.dumps(headline))
 
 

@@ -2,14 +2,20 @@
 
 1. One simulated hour of llama-3-70b on 8xH100 (TP=8) serving a closed loop of 112 agent
    trajectories (tool waits from seconds to minutes, forks, a shared 5k-token prefix), sized
-   so the node is busy but not overloaded. Prints wall and CPU seconds, engine steps,
-   token-steps per second, and the run's serving figures. A run that wedges (work waiting,
+   so the node is busy but not overloaded. Prints CPU seconds (``cpu_s_for_1h``, the figure
+   to compare: on a shared machine wall time also counts other processes) next to wall
+   seconds, engine steps, and the run's serving figures. A run that wedges (work waiting,
    nothing admitted) is reported as such: skipping its idle time would be a fake speed-up.
-2. Where the wall time goes: a cProfile of a shorter run, grouped into the engine's step
-   parts and the simulator's own code, in microseconds per engine step.
-3. Calibration: `kvpilot calibrate` on the local `tiny` model (CPU), then the same miniswe
-   replay on the real engine and on the simulator; relative errors of throughput and hit
-   rate.
+2. Decode runs against single steps: a shorter run both ways must give the same summary;
+   the CPU time of each and the speed-up.
+3. Where the time goes: a cProfile of a shorter run, grouped into the engine's step parts,
+   decode runs and the simulator's own code, in microseconds per engine step.
+4. Calibration: `kvpilot calibrate` on the local `tiny` model (CPU), then miniswe replays on
+   the real engine and on the simulator with that profile: short prompts (the shared head cut
+   to 1,024 tokens, calls up to 2,048) and long ones (4-8k tokens, up to the model's limit);
+   relative errors of throughput (CPU time) and hit rate.
+
+Figures taken on a shared machine are distorted by the other processes: quote CPU time.
 
 Usage: python benchmarks/bench_sim.py [--quick] [--skip-calibration] [--hours H]
 The last line printed is one JSON object.
@@ -26,7 +32,11 @@ import time
 from pathlib import Path
 
 from kvpilot.engine.engine import Engine
-from kvpilot.sim.build import SimSetup, run_simulation
+from kvpilot.sim.build import SimSetup, build_engine, run_simulation
+from kvpilot.sim.drivers import AgentDriver
+from kvpilot.sim.report import SimResult
+from kvpilot.sim.runner import SimulatedRunner
+from kvpilot.sim.simulator import Simulator
 from kvpilot.sim.workload import WorkloadConfig
 
 TRACES = Path(__file__).resolve().parents[2] / "shared/traces/lmcache-agent-trace/miniswe"
@@ -92,6 +102,7 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "radix.py:as_token_array",
         ),
     ),
+    ("engine: decode runs (many steps at once)", ("decode_run.py",)),
     ("engine: scheduler.schedule", ("scheduler.py",)),
     (
         "memory: trajectory / radix / pool",
@@ -107,24 +118,47 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
 
 
 def bench_setup(hours: float) -> SimSetup:
-    return SimSetup(model="llama-3-70b", node="8xh100", duration_s=3600.0 * hours)
+    return SimSetup(model="llama-3-70b", node="8xh100", tp=8, duration_s=3600.0 * hours)
+
+
+def simulate(hours: float, decode_runs: bool = True) -> tuple[SimResult, float, float]:
+    """One bench run: the result, its CPU seconds and its wall seconds."""
+    workload = WorkloadConfig.from_yaml_text(BENCH_WORKLOAD, "bench workload")
+    setup = bench_setup(hours)
+    engine, _ = build_engine(setup, workload.vocab_size)
+    cpu0 = time.process_time()
+    wall0 = time.perf_counter()
+    sim = Simulator(engine, duration_s=setup.duration_s, decode_runs=decode_runs)
+    driver = AgentDriver(workload, engine.max_model_len)
+    sim.run(driver)
+    wall = time.perf_counter() - wall0
+    cpu = time.process_time() - cpu0
+    runner = engine.executor
+    assert isinstance(runner, SimulatedRunner)
+    result = SimResult.collect(
+        "breakeven",
+        sim,
+        driver.counters(),
+        model=setup.model,
+        node=setup.node,
+        tp=setup.tp_degree(),
+        replicas=1,
+        cost_model=runner.cost.describe(),
+    )
+    return result, cpu, wall
 
 
 def run_hour(hours: float) -> dict[str, float]:
     workload = WorkloadConfig.from_yaml_text(BENCH_WORKLOAD, "bench workload")
-    cpu0 = time.process_time()
-    wall0 = time.perf_counter()
-    result = run_simulation(bench_setup(hours), workload)
-    wall = time.perf_counter() - wall0
-    cpu = time.process_time() - cpu0
+    result, cpu, wall = simulate(hours)
     s = result.summary()
     token_steps = result.prefill_tokens + result.decode_tokens
     per_hour = 1.0 / hours
     print(f"== {hours:g} simulated hour(s): {workload.name} on {s['node']} ({s['model']})")
     print(
-        f"wall {wall:.1f} s, CPU {cpu:.1f} s; {result.steps:,} engine steps "
-        f"({result.steps / wall:,.0f}/s wall, {result.steps / cpu:,.0f}/s CPU); "
-        f"{token_steps / wall:,.0f} token-steps/s"
+        f"CPU {cpu:.1f} s ({cpu / hours:.1f} s per simulated hour), wall {wall:.1f} s; "
+        f"{result.steps:,} engine steps ({result.steps / cpu:,.0f}/s CPU); "
+        f"{token_steps / cpu:,.0f} token-steps per CPU second"
     )
     print(
         f"serving: {s['output_tokens_per_s']:,.0f} output tok/s, "
@@ -153,6 +187,28 @@ def run_hour(hours: float) -> dict[str, float]:
         "blocked_s": result.blocked_s,
         "output_tokens_per_s": s["output_tokens_per_s"],
         "hit_rate": s["hit_rate"],
+    }
+
+
+def compare_decode_runs(minutes: float) -> dict[str, float]:
+    """The same run stepped one by one and with decode runs: same figures, less CPU."""
+    hours = minutes / 60.0
+    stepped, cpu_stepped, _ = simulate(hours, decode_runs=False)
+    jumped, cpu_jumped, _ = simulate(hours, decode_runs=True)
+    a, b = stepped.summary(), jumped.summary()
+    for key in ("wall_s", "sim_s_per_wall_s"):
+        a.pop(key)
+        b.pop(key)
+    same = a == b
+    print(
+        f"== decode runs vs single steps, {minutes:g} simulated minutes: CPU {cpu_stepped:.1f} s "
+        f"stepped, {cpu_jumped:.1f} s with runs ({cpu_stepped / cpu_jumped:.1f}x); "
+        f"summaries {'identical' if same else 'DIFFER'}"
+    )
+    return {
+        "decode_runs_identical": float(same),
+        "decode_runs_speedup": cpu_stepped / cpu_jumped,
+        "cpu_s_for_1h_stepped": cpu_stepped / hours,
     }
 
 
@@ -204,36 +260,47 @@ def calibration(quick: bool) -> dict[str, float]:
     if not TRACES.is_dir():
         print("== calibration skipped: no miniswe traces at", TRACES)
         return {"calib_throughput_error": float("nan"), "calib_hit_rate_error": float("nan")}
-    t0 = time.perf_counter()
+    cpu0 = time.process_time()
     profile = calibrate("tiny", kv_blocks=2048, quick=quick)
-    fit_s = time.perf_counter() - t0
-    sessions = load_replay(
-        [TRACES],
-        ReplayOptions(
-            tokenize=tokenizer_of("tiny"),
-            head_tokens=1024,
-            max_call_tokens=2048,
-            max_output_tokens=64,
-            max_sessions=2 if quick else 6,
-            min_calls=3,
-        ),
-    )
-    check = check_replay(profile, sessions, kv_blocks=2048)
-    c = check.to_json()
+    fit_s = time.process_time() - cpu0
     print(
-        f"== calibration of tiny on CPU ({profile.samples} steps in {fit_s:.0f} s, R^2 "
-        f"{profile.r2:.3f}, median step error {profile.median_rel_error:.1%}); replay of "
-        f"{len(sessions)} miniswe sessions, {c['calls']} calls: real {c['real_tokens_per_s']:,.0f} "
-        f"tok/s vs simulated {c['sim_tokens_per_s']:,.0f} (error {c['throughput_error']:.1%}); "
-        f"hit rate real {c['real_hit_rate']:.1%} vs simulated {c['sim_hit_rate']:.1%} "
-        f"(error {c['hit_rate_error']:.1%})"
+        f"== calibration of tiny on CPU: {profile.samples} steps up to "
+        f"{profile.max_context_tokens:,} tokens of context in {fit_s:.0f} CPU s, R^2 "
+        f"{profile.r2:.3f}, median step error {profile.median_rel_error:.1%}"
     )
-    return {
-        "calib_throughput_error": c["throughput_error"],
-        "calib_hit_rate_error": c["hit_rate_error"],
+    figures: dict[str, float] = {
         "calib_r2": profile.r2,
         "calib_median_step_error": profile.median_rel_error,
+        "calib_max_context_tokens": float(profile.max_context_tokens),
     }
+    tokenize = tokenizer_of("tiny")
+    limit = profile.max_model_len or 8192
+    replays = {
+        "short": {"head_tokens": 1024, "max_call_tokens": 2048},
+        "long": {"max_call_tokens": limit - 64},
+    }
+    for name, limits in replays.items():
+        sessions = load_replay(
+            [TRACES],
+            ReplayOptions(
+                tokenize=tokenize,
+                max_output_tokens=64,
+                max_sessions=2 if quick else 4,
+                min_calls=3,
+                **limits,  # type: ignore[arg-type]
+            ),
+        )
+        c = check_replay(profile, sessions, kv_blocks=2048).to_json()
+        print(
+            f"   {name} prompts ({c['prompt_tokens_min']:,}-{c['prompt_tokens_max']:,} tokens, "
+            f"{len(sessions)} sessions, {c['calls']} calls): real {c['real_tokens_per_s']:,.0f} "
+            f"tok/s vs simulated {c['sim_tokens_per_s']:,.0f} (error "
+            f"{c['throughput_error']:.1%}); hit rate real {c['real_hit_rate']:.1%} vs "
+            f"simulated {c['sim_hit_rate']:.1%}"
+        )
+        figures[f"calib_throughput_error_{name}"] = c["throughput_error"]
+        figures[f"calib_hit_rate_error_{name}"] = c["hit_rate_error"]
+    return figures
 
 
 def main() -> None:
@@ -246,6 +313,7 @@ def main() -> None:
     hours = args.hours if args.hours is not None else (0.1 if args.quick else 1.0)
     figures: dict[str, float] = {}
     figures.update(run_hour(hours))
+    figures.update(compare_decode_runs(3.0 if args.quick else 6.0))
     if not args.skip_profile:
         figures.update(profile_breakdown(3.0 if args.quick else 10.0))
     if not args.skip_calibration:

@@ -1,6 +1,9 @@
 """Shared fixtures: tiny Hugging Face checkpoints per architecture, and the built-in tiny model.
 
 Everything is generated locally (no downloads) once per test session, only when first used.
+Every engine the suite builds poisons freed KV blocks (`RunnerConfig.poison_freed_blocks`
+defaults to on for the whole session), so a stale or missed block shows as NaN or wrong
+output instead of passing silently.
 """
 
 from __future__ import annotations
@@ -11,10 +14,39 @@ import os
 # else runs (a server thread, a subprocess), and tests care about results, not speed.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+import dataclasses
 from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
+
+
+@contextmanager
+def config_default(cls: type, name: str, value: Any) -> Iterator[None]:
+    """Within the block, ``cls(...)`` (a dataclass) defaults its field ``name`` to ``value``."""
+    init = cls.__init__  # type: ignore[misc]
+    params = [f.name for f in dataclasses.fields(cls) if f.init and not f.kw_only]
+    saved = init.__defaults__
+    assert saved is not None and name in params[len(params) - len(saved) :], name
+    defaults = list(saved)
+    defaults[params.index(name) - (len(params) - len(saved))] = value
+    init.__defaults__ = tuple(defaults)
+    try:
+        yield
+    finally:
+        init.__defaults__ = saved
+
+
+@pytest.fixture(scope="session", autouse=True)
+def poison_freed_kv_blocks() -> Iterator[None]:
+    """Every engine of the suite overwrites freed KV blocks with NaN (a config default, so a
+    test that wants it off says ``poison_freed_blocks=False``)."""
+    from kvpilot.engine.config import RunnerConfig
+
+    with config_default(RunnerConfig, "poison_freed_blocks", True):
+        yield
 
 
 class _LazyCheckpoints(Mapping[str, Path]):

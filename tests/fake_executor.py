@@ -4,7 +4,8 @@ Each slot stores (token, position). Sampling reads the whole context back throug
 block table, checks every position landed where it should, and derives the next token
 from the tokens read. Any wrong block, stale slot or bad copy changes the output, so
 comparing with `oracle_generate` (computed from the token list alone) checks every cache
-decision end to end.
+decision end to end. Freed blocks are poisoned (position -1) when the engine asks, so a
+stale block that still held the right tokens is caught too.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import numpy as np
 
 from kvpilot.engine.executor import SeqWork, StepOutput
 from kvpilot.engine.sampling import SamplingParams
+from kvpilot.memory import ModelFingerprint
 
 VOCAB = 500
 
@@ -42,7 +44,12 @@ def oracle_generate(
     return out
 
 
+POISON = -1
+
+
 class FakeExecutor:
+    fingerprint = ModelFingerprint.of("fake executor: the KV is the token")
+
     def __init__(self, num_blocks: int, block_size: int = 16) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -51,6 +58,7 @@ class FakeExecutor:
         self.positions = np.full(slots, -1, dtype=np.int64)
         self.steps: list[list[SeqWork]] = []
         self.copies: list[tuple[int, int]] = []
+        self.poisoned = 0
 
     def _slot(self, table: Sequence[int], pos: int) -> int:
         return table[pos // self.block_size] * self.block_size + pos % self.block_size
@@ -81,3 +89,10 @@ class FakeExecutor:
             self.copies.append((src, dst))
             self.tokens[dst * b : (dst + 1) * b] = self.tokens[src * b : (src + 1) * b]
             self.positions[dst * b : (dst + 1) * b] = self.positions[src * b : (src + 1) * b]
+
+    def poison_blocks(self, blocks: Sequence[int]) -> None:
+        b = self.block_size
+        for block in blocks:
+            self.tokens[block * b : (block + 1) * b] = POISON
+            self.positions[block * b : (block + 1) * b] = POISON
+        self.poisoned += len(blocks)

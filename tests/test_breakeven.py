@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 
 import pytest
 from hypothesis import given
@@ -9,6 +10,7 @@ from hypothesis import strategies as st
 
 from kvpilot.errors import ConfigError
 from kvpilot.policy.breakeven import PauseAction, PauseInputs, decide_pause
+from kvpilot.policy.pause import POLICY_NAMES, make_pause_policy
 
 GB = 1e9
 
@@ -40,7 +42,8 @@ def test_napkin_0_6_offloads_to_host_with_the_spec_figures() -> None:
     assert d.reload_vs_recompute == pytest.approx(62, abs=0.5)
     assert d.held_gb_s == pytest.approx(483, abs=1)
     assert d.break_even_wait_s == pytest.approx(d.round_trip_s)
-    assert "offload to host" in d.reason and "62x" in d.reason and "483 GB·s" in d.reason
+    assert d.reason.startswith("Offload to host: the 45.0 s wait is past the 42 ms break-even")
+    assert "62x faster" in d.reason
 
 
 def test_reload_still_wins_at_a_quarter_of_the_link_bandwidth() -> None:
@@ -52,7 +55,7 @@ def test_reload_still_wins_at_a_quarter_of_the_link_bandwidth() -> None:
 def test_wait_shorter_than_the_round_trip_retains() -> None:
     d = decide_pause(with_(expected_wait_s=0.030))
     assert d.action is PauseAction.RETAIN
-    assert "shorter than the host round trip" in d.reason
+    assert "shorter than the 42 ms host round trip" in d.reason
 
 
 def test_wait_below_break_even_retains_when_host_memory_is_nearly_as_dear() -> None:
@@ -189,3 +192,26 @@ def test_a_longer_wait_never_turns_a_move_back_into_retention(inputs: PauseInput
         return
     longer = dataclasses.replace(inputs, expected_wait_s=inputs.expected_wait_s * 2)
     assert decide_pause(longer).action is not PauseAction.RETAIN
+
+
+@given(pause_inputs)
+def test_every_reason_is_one_sentence_that_starts_with_the_decision(inputs: PauseInputs) -> None:
+    d = decide_pause(inputs)
+    assert_one_sentence_led_by_the_decision(d.reason, d.action)
+
+
+def assert_one_sentence_led_by_the_decision(reason: str, action: PauseAction) -> None:
+    label = action.label
+    assert reason.startswith(label), reason
+    assert reason.endswith(".") and ";" not in reason, reason
+    assert ". " not in reason.replace("e.g. ", ""), reason  # one sentence
+    verb = label.split()[0].lower()  # "retain", "offload", "drop", "leave"
+    assert verb not in reason[len(label) :].lower(), reason  # the decision said once
+    assert not re.search(r"\b(inf|nan)\b", reason, re.IGNORECASE), reason
+
+
+@pytest.mark.parametrize("name", POLICY_NAMES)
+def test_fixed_policies_say_their_decision_once_too(name: str) -> None:
+    d = make_pause_policy(name).decide(NAPKIN_0_6)
+    assert_one_sentence_led_by_the_decision(d.reason, d.action)
+    assert "10.7 GB" in d.reason

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 from pathlib import Path
@@ -10,8 +11,10 @@ import pytest
 from rich.console import Console
 
 from kvpilot.demo.client import (
+    AgentClient,
     ScriptBudget,
     TurnResult,
+    Verification,
     clip,
     ideal_hit_rate_of,
     load_scripts,
@@ -51,16 +54,27 @@ def test_the_demo_serves_pauses_and_summarizes_consistently(tmp_path: Path) -> N
         trace_dir=write_trace(tmp_path / "trace"),
     )
     out = io.StringIO()
-    summary = run_engine_demo(Console(file=out, width=200), "tiny", config)
+    summary = run_engine_demo(Console(file=out, width=100), "tiny", config)
     assert summary.sessions == 1 and summary.turns == 2 and summary.pauses == 1
     pauses = sum(n for action, n in summary.decisions.items() if action != "demoted")
     assert pauses == summary.pauses
     assert 0 < summary.hit_rate <= summary.ideal_hit_rate
     assert sum(summary.cached_by_tier.values()) == summary.cached_tokens
     assert summary.server_exit_code == 0  # stopped cleanly, engine closed
+    assert summary.recomputed_turns == 1 and summary.mismatches == 0
     text = out.getvalue()
-    assert "pytest for 0.50 s" in text  # the tool and its (x0.25) wait, from the trace
-    assert "summary" in text and "prefix hit rate" in text
+    assert "pytest runs 0.50 s" in text  # the tool and its (x0.25) wait, from the trace
+    # The child server's start-up banner is shown while it starts.
+    for step in ("serve | loading PyTorch", "serve | KV pool: 256 blocks", "serve | ready in"):
+        assert step in text, step
+    summary_text = text[text.index("what happened") :]
+    for figure in ("prefix hit rate", "demotions", "prefetch hits · stalls", "KV moved"):
+        assert figure in summary_text, figure
+    assert summary_text.count("good:") >= 3  # what a good value is, for the puzzling ones
+    assert "offload_host" not in text and "retain retain" not in text  # words, said once
+    assert all(len(line) <= 100 for line in text.splitlines() if not line.startswith("$ "))
+    assert "--poison-freed-blocks" in text and "1 resumed turns recomputed" in text
+    assert "1 checked, 0 mismatches" in summary_text
 
 
 def test_trace_scripts_send_new_context_with_the_next_tool_and_its_wait(tmp_path: Path) -> None:
@@ -135,3 +149,45 @@ def test_a_server_that_cannot_start_reports_its_log(tmp_path: Path) -> None:
     with pytest.raises(ServerStartError, match="yolo"):
         server.start()
     assert server.returncode not in (None, 0)
+
+
+def test_verification_counts_a_turn_that_differs_from_its_recompute() -> None:
+    from kvpilot.cli.serve import ServeOptions, build_app
+    from kvpilot.engine.config import EngineConfig
+    from kvpilot.server.background import BackgroundServer
+
+    prompt = tuple(TASK.encode()[:100])
+    config = EngineConfig.from_kwargs(kv_blocks=64)
+    with (
+        BackgroundServer(build_app(ServeOptions(engine=config))) as server,
+        AgentClient(server.base_url, max_tokens=4) as client,
+    ):
+        response = client.openai.completions.create(
+            model="tiny",
+            prompt=list(prompt),
+            max_tokens=4,
+            temperature=0.0,
+            extra_body={"ignore_eos": True, "return_token_ids": True},
+        )
+        out = tuple((response.model_extra or {})["kvpilot"]["completion_token_ids"][0])
+        turn = TurnResult(
+            script="s",
+            session_id="sess",
+            turn=1,
+            sent_at=0.0,
+            latency_s=0.0,
+            prompt_tokens=len(prompt),
+            cached_tokens=0,
+            cached_by_tier={},
+            completion_tokens=len(out),
+            prompt_token_ids=prompt,
+            completion_token_ids=out,
+            tool=None,
+            tool_wait_s=0.0,
+            pause=None,
+        )
+        assert client.verify([turn]) == Verification(1, ())
+        wrong = dataclasses.replace(turn, completion_token_ids=(*out[:3], (out[3] + 1) % 256))
+        verification = client.verify([wrong, dataclasses.replace(turn, turn=0)])
+    assert verification.checked == 1 and len(verification.mismatches) == 1
+    assert "s turn 2" in verification.mismatches[0]

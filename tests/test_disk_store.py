@@ -5,8 +5,6 @@ from __future__ import annotations
 import itertools
 import os
 import sqlite3
-import subprocess
-import sys
 import tempfile
 import threading
 from collections import OrderedDict
@@ -24,6 +22,8 @@ from kvpilot.memory.hashing import chain_hashes
 from kvpilot.store import DiskBlockStore
 from kvpilot.store.index import INDEX_FILENAME
 from kvpilot.store.slot_file import DATA_FILENAME
+
+from kill import sigkill_when_ready
 
 BLOCK_BYTES = 4096
 
@@ -234,7 +234,7 @@ def test_reopening_the_directory_finds_and_verifies_the_blocks(tmp_path: Path) -
 
 
 _CHILD = """
-import os, sys
+import sys, time
 from hashlib import shake_256
 from kvpilot.memory.hashing import chain_hashes
 from kvpilot.store import DiskBlockStore
@@ -242,12 +242,14 @@ s = DiskBlockStore(sys.argv[1], 64, 4096)
 keys = chain_hashes(list(range(40 * 16)), 16, salt="tenant-a")
 assert all(s.put_many([(k, shake_256(k).digest(4096)) for k in keys]).result())
 s.flush()
-os._exit(0)  # killed: no close()
+print("READY", flush=True)  # the parent SIGKILLs it here: no close()
+while True:
+    time.sleep(60)
 """
 
 
 def test_blocks_flushed_by_a_killed_process_survive_reopen(tmp_path: Path) -> None:
-    subprocess.run([sys.executable, "-c", _CHILD, str(tmp_path)], check=True, timeout=120)
+    sigkill_when_ready(["-c", _CHILD, str(tmp_path)])
     keys = chain_hashes(list(range(40 * 16)), 16, salt="tenant-a")
     with open_store(tmp_path) as s:
         assert len(s) == 40

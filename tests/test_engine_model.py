@@ -12,6 +12,8 @@ import torch
 
 from kvpilot.engine import Engine, SamplingParams
 
+from equivalence import LogitRecorder, Turn, assert_same_turns
+
 ARCHS = ["llama", "qwen2", "qwen3", "mistral"]
 GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)
 
@@ -29,10 +31,13 @@ def run_checked(engine: Engine) -> None:
 
 def generate_checked(
     engine: Engine, batch: list[list[int]], params: SamplingParams = GREEDY
-) -> list[list[int]]:
-    ids = [engine.add_request(p, params) for p in batch]
-    run_checked(engine)
-    return [list(engine.pop_output(r).token_ids) for r in ids]
+) -> list[Turn]:
+    """Each prompt's tokens and the fp32 logits they were sampled from."""
+    return LogitRecorder(engine).generate(batch, params)
+
+
+def tokens(turns: list[Turn]) -> list[list[int]]:
+    return [list(t.tokens) for t in turns]
 
 
 def assert_all_free(engine: Engine) -> None:
@@ -79,7 +84,7 @@ def test_greedy_tokens_identical_to_transformers_generate(
     path = hf_checkpoint(arch)
     engine = Engine.from_pretrained(str(path), kv_blocks=256, max_prefill_chunk=32)
     batch = prompts(5, seed=hash(arch) % 1000)
-    ours = generate_checked(engine, batch)
+    ours = tokens(generate_checked(engine, batch))
     for prompt, got in zip(batch, ours, strict=True):
         assert got == hf_greedy(path, prompt, GREEDY.max_tokens)
     assert_all_free(engine)
@@ -96,7 +101,7 @@ def test_chunked_and_monolithic_prefill_identical(model_path: Path) -> None:
         str(model_path), kv_blocks=256, max_prefill_chunk=16, max_num_batched_tokens=40
     )
     mono = Engine.from_pretrained(str(model_path), kv_blocks=256, chunked_prefill=False)
-    assert generate_checked(chunked, batch) == generate_checked(mono, batch)
+    assert_same_turns(generate_checked(chunked, batch), generate_checked(mono, batch))
 
 
 def test_prefix_hit_identical_to_cold(model_path: Path) -> None:
@@ -107,14 +112,10 @@ def test_prefix_hit_identical_to_cold(model_path: Path) -> None:
         generate_checked(Engine.from_pretrained(str(model_path), kv_blocks=256), [system + t])[0]
         for t in tails
     ]
-    warm = []
-    for t in tails:
-        rid = engine.add_request(system + t, GREEDY)
-        run_checked(engine)
-        out = engine.pop_output(rid)
-        warm.append(list(out.token_ids))
-    assert warm == cold
-    assert out.cached_tokens == 64  # 70 shared tokens at B=16: four full blocks
+    recorder = LogitRecorder(engine)
+    warm = [recorder.generate([system + t], GREEDY)[0] for t in tails]
+    assert_same_turns(warm, cold)
+    assert engine.stats.cached_tokens == 2 * 64  # 70 shared tokens at B=16: four full blocks
 
 
 def test_forked_branch_identical_to_independent_run(model_path: Path) -> None:
@@ -125,10 +126,11 @@ def test_forked_branch_identical_to_independent_run(model_path: Path) -> None:
     history = first + list(out.token_ids)
     branches = base.fork(3)
     suffixes = prompts(3, seed=5, lo=4, hi=9)
+    recorder = LogitRecorder(engine)
     for branch, suffix in zip(branches, suffixes, strict=True):
-        got = list(branch.generate(suffix, GREEDY).token_ids)
+        got = recorder.finish(branch.submit(suffix, GREEDY))
         solo = Engine.from_pretrained(str(model_path), kv_blocks=256)
-        assert got == generate_checked(solo, [history + suffix])[0]
+        assert_same_turns([got], generate_checked(solo, [history + suffix]))
         engine.check_invariants()
     assert_all_free(engine)
 
@@ -144,7 +146,7 @@ def test_n_branches_share_one_prefill(model_path: Path) -> None:
         single = SamplingParams(
             max_tokens=6, temperature=0.8, seed=11 + branch.index, ignore_eos=True
         )
-        assert list(branch.token_ids) == generate_checked(solo, [prompt], single)[0]
+        assert list(branch.token_ids) == tokens(generate_checked(solo, [prompt], single))[0]
 
 
 def test_preempted_and_recomputed_identical(model_path: Path) -> None:
@@ -152,7 +154,9 @@ def test_preempted_and_recomputed_identical(model_path: Path) -> None:
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     tight = Engine.from_pretrained(str(model_path), kv_blocks=14)
     roomy = Engine.from_pretrained(str(model_path), kv_blocks=512)
-    assert generate_checked(tight, batch, params) == generate_checked(roomy, batch, params)
+    assert_same_turns(
+        generate_checked(tight, batch, params), generate_checked(roomy, batch, params)
+    )
     assert tight.scheduler.num_preemptions > 0
     assert_all_free(tight)
 
@@ -160,15 +164,18 @@ def test_preempted_and_recomputed_identical(model_path: Path) -> None:
 def test_session_turn_identical_to_whole_history(model_path: Path) -> None:
     engine = Engine.from_pretrained(str(model_path), kv_blocks=256)
     session = engine.open_session()
+    recorder = LogitRecorder(engine)
     history: list[int] = []
     for turn, new in enumerate(prompts(3, seed=8, lo=10, hi=30)):
-        out = session.generate(new, GREEDY)
+        rid = session.submit(new, GREEDY)
+        request = engine.requests[rid]
+        got = recorder.finish(rid)
         history += new
         solo = Engine.from_pretrained(str(model_path), kv_blocks=256)
-        assert list(out.token_ids) == generate_checked(solo, [history])[0]
+        assert_same_turns([got], generate_checked(solo, [history]))
         if turn:
-            assert out.cached_tokens == len(history) - len(new) - 1
-        history += list(out.token_ids)
+            assert request.cached_tokens == len(history) - len(new) - 1
+        history += list(got.tokens)
     assert_all_free(engine)
 
 

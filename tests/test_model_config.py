@@ -99,8 +99,8 @@ def test_qwen3_reads_explicit_head_dim_and_uses_qk_norm(
 
 def test_mistral_sliding_window_covers_every_layer(hf_checkpoint: Callable[[str], Path]) -> None:
     config = ModelConfig.from_folder(hf_checkpoint("mistral"))
-    assert config.sliding_window == 8
-    assert [config.layer_window(i) for i in range(config.num_layers)] == [8, 8]
+    assert config.sliding_window == 48
+    assert [config.layer_window(i) for i in range(config.num_layers)] == [48, 48]
 
 
 def test_qwen_sliding_window_applies_only_when_enabled_and_per_layer_type(

@@ -127,24 +127,36 @@ def test_greedy_generation_matches_transformers_generate(arch_path: Path, batch_
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_half_precision_greedy_tokens_match_float32(
+def test_half_precision_tracks_float32_within_its_precision(
     hf_checkpoint: Callable[[str], Path], dtype: str
 ) -> None:
+    """Teacher-forced on float32's greedy continuation: at every step the half-precision
+    logits are within 2% of the logits' range, and its greedy choice is float32's or a near
+    tie in float32 (the test models are context-sensitive, so a near tie may flip and then
+    every later token differs: free-running continuations are not comparable)."""
     path = hf_checkpoint("llama")
     fp32 = _runner(path)
-    bf16 = _runner(path, dtype=dtype)
-    prompts = PROMPTS[:3]
-    assert _greedy_generate(bf16, prompts, 6) == _greedy_generate(fp32, prompts, 6)
-    logits32 = fp32.compute_logits([_work(3, PROMPTS[0], 0)])[3]
-    logits16 = bf16.compute_logits([_work(3, PROMPTS[0], 0)])[3]
-    assert logits16.dtype == torch.float32
-    torch.testing.assert_close(logits16, logits32, atol=0.25, rtol=0.05)
+    half = _runner(path, dtype=dtype)
+    steps = agree = 0
+    for seq, prompt in enumerate(PROMPTS[:3]):
+        tokens = [*prompt, *_greedy_generate(fp32, [prompt], 6)[0]]
+        for end in range(len(prompt), len(tokens)):
+            logits32 = fp32.compute_logits([_work(seq, tokens[:end], 0)])[seq]
+            logits16 = half.compute_logits([_work(seq, tokens[:end], 0)])[seq]
+            assert logits16.dtype == torch.float32
+            tolerance = 0.02 * float(logits32.max() - logits32.min())
+            torch.testing.assert_close(logits16, logits32, atol=tolerance, rtol=0)
+            choice = int(logits16.argmax())
+            assert logits32[choice] >= logits32.max() - tolerance
+            steps += 1
+            agree += choice == tokens[end]
+    assert agree >= 0.8 * steps
 
 
 def test_sliding_window_hides_keys_older_than_the_window(
     hf_checkpoint: Callable[[str], Path], tmp_path: Path
 ) -> None:
-    windowed = _runner(hf_checkpoint("mistral"))
+    windowed = _runner(make_checkpoint("mistral", tmp_path / "windowed", sliding_window=8))
     assert windowed.config.sliding_window == 8
     full = _runner(make_checkpoint("mistral", tmp_path / "full", sliding_window=None))
     short, long = PROMPTS[0][:8], PROMPTS[1]
@@ -297,7 +309,7 @@ def test_eos_ids_come_from_config_and_tokenizer(hf_checkpoint: Callable[[str], P
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_runner_matches_cpu(hf_checkpoint: Callable[[str], Path]) -> None:
     path = hf_checkpoint("mistral")
-    cpu, cuda = _runner(path), _runner(path, device="cuda")
+    cpu, cuda = _runner(path), _runner(path, device="cuda", dtype="float32")
     prompts = PROMPTS[:3]
     assert _greedy_generate(cuda, prompts, 8) == _greedy_generate(cpu, prompts, 8)
     ours = cuda.compute_logits([_work(3, PROMPTS[1], 0)])[3].cpu()

@@ -2,62 +2,29 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import textwrap
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from kvpilot.engine import Engine, SamplingParams, VirtualClock
 from kvpilot.errors import InvalidRequest
 from kvpilot.memory import Tier
-from kvpilot.policy.breakeven import PauseAction, decide_pause
+from kvpilot.policy.breakeven import PauseAction
 from kvpilot.policy.pause import POLICY_NAMES, make_pause_policy
 
-PARAMS = SamplingParams(max_tokens=8, ignore_eos=True)
-FIRST = [(7 * i + 3) % 240 + 5 for i in range(150)]
-SECOND = [(11 * i + 1) % 240 + 5 for i in range(20)]
-THIRD = [(13 * i + 2) % 240 + 5 for i in range(9)]
-
-
-def tiered(model: Path | str, tmp: Path, policy: str, **kw: object) -> Engine:
-    options: dict[str, object] = {
-        "kv_blocks": 128,
-        "host_kv_blocks": 128,
-        "disk_dir": str(tmp / f"disk-{policy}"),
-        "pause_policy": policy,
-    }
-    options.update(kw)
-    return Engine.from_pretrained(str(model), clock=VirtualClock(), **options)
-
-
-def settle(engine: Engine) -> None:
-    """Let background copies finish (the step loop polls them)."""
-    while engine.offload.busy():
-        engine.step()
-        engine.check_invariants()
-
-
-def reference(model: Path | str) -> list[list[int]]:
-    engine = Engine.from_pretrained(str(model), kv_blocks=128)
-    session = engine.open_session()
-    return [list(session.generate(p, PARAMS).token_ids) for p in (FIRST, SECOND, THIRD)]
-
-
-def three_turns_with_pauses(engine: Engine, wait_s: float = 30.0) -> list[list[int]]:
-    session = engine.open_session()
-    outs = []
-    for prompt in (FIRST, SECOND, THIRD):
-        outs.append(list(session.generate(prompt, PARAMS).token_ids))
-        engine.check_invariants()
-        session.pause(expected_wait_s=wait_s, tool="pytest")
-        settle(engine)
-    session.close()
-    return outs
+from equivalence import (
+    FIRST,
+    PARAMS,
+    SECOND,
+    THIRD,
+    assert_same_turns,
+    disk_dir,
+    reference_turns,
+    settle,
+    tiered,
+    turns_around_disk_damage,
+    turns_with_pauses,
+)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral"])
@@ -67,7 +34,7 @@ def test_round_trip_through_each_tier_leaves_outputs_identical(
 ) -> None:
     model = hf_checkpoint(arch)
     engine = tiered(model, tmp_path, policy)
-    assert three_turns_with_pauses(engine) == reference(model)
+    assert_same_turns(turns_with_pauses(engine), reference_turns(model, [FIRST, SECOND, THIRD]))
     moved = engine.offload.stats.bytes_moved
     if policy == "offload-host":
         assert moved["device_to_host"] > 0 and moved["host_to_device"] > 0
@@ -119,19 +86,43 @@ def test_breakeven_retains_when_memory_is_plentiful_and_moves_under_pressure(
     tight.close()
 
 
-def test_breakeven_matches_kvpilot_plan_for_the_same_inputs() -> None:
+# Napkin Math 0.6, worked by hand from the spec's equations: Llama-3-70B at 32,768 tokens
+# holds 32,768 x 327,680 B = 10.74 GB of KV; 8 links of 64 GB/s reload it in
+# 10.74 GB / 512 GB/s = 21.0 ms (42 ms out and back); recomputing it costs
+# 2 x 70.6e9 x 32,768 = 4.63e15 FLOP at 0.45 x 8 x 989 TFLOP/s = 1.30 s, 62x the reload.
+NAPKIN_RELOAD_S = 10.737418240e9 / 512e9
+NAPKIN_RECOMPUTE_S = 2 * 70.6e9 * 32768 / (0.45 * 8 * 989e12)
+
+
+@pytest.mark.parametrize(
+    ("wait_s", "pressure", "action"),
+    [
+        (0.01, 1.0, PauseAction.RETAIN),  # shorter than the 42 ms round trip
+        (0.5, 1.0, PauseAction.OFFLOAD_HOST),  # past the break-even wait of one round trip
+        (45.0, 1.0, PauseAction.OFFLOAD_HOST),  # the napkin's 45 s test run
+        (3600.0, 1.0, PauseAction.OFFLOAD_HOST),  # host memory is free: no need for disk
+        (45.0, 0.2, PauseAction.RETAIN),  # device memory is plentiful
+        (3600.0, 0.2, PauseAction.RETAIN),
+    ],
+)
+def test_breakeven_policy_on_kvpilot_plan_inputs_gives_the_napkin_figures(
+    wait_s: float, pressure: float, action: PauseAction
+) -> None:
     from kvpilot.sizing.geometry import resolve_geometry
     from kvpilot.sizing.hardware import parse_node
     from kvpilot.sizing.plan import pause_inputs
 
-    node = parse_node("8xh100")
-    geometry = resolve_geometry("llama-3-70b")
-    for wait in (0.01, 0.5, 45.0, 3600.0):
-        for pressure in (0.2, 1.0):
-            inputs = pause_inputs(geometry, node, 8, 32768, wait, device_pressure=pressure)
-            assert make_pause_policy("breakeven").decide(inputs) == decide_pause(inputs)
-    inputs = pause_inputs(geometry, node, 8, 32768, 45.0)
-    assert make_pause_policy("breakeven").decide(inputs).action is PauseAction.OFFLOAD_HOST
+    geometry, node = resolve_geometry("llama-3-70b"), parse_node("8xh100")
+    inputs = pause_inputs(geometry, node, 8, 32768, wait_s, device_pressure=pressure)
+    d = make_pause_policy("breakeven").decide(inputs)
+    assert d.action is action, d.reason
+    assert inputs.kv_bytes == pytest.approx(10.737e9, rel=1e-4)
+    assert d.reload_s == pytest.approx(NAPKIN_RELOAD_S, rel=1e-6) == pytest.approx(0.021, abs=5e-4)
+    assert d.round_trip_s == pytest.approx(2 * NAPKIN_RELOAD_S, rel=1e-6)
+    assert (
+        d.recompute_s == pytest.approx(NAPKIN_RECOMPUTE_S, rel=1e-6) == pytest.approx(1.3, abs=0.01)
+    )
+    assert d.reload_vs_recompute == pytest.approx(62, abs=0.5)
 
 
 def test_every_policy_is_available_by_name() -> None:
@@ -228,90 +219,11 @@ def test_pause_misuse_is_rejected(tmp_path: Path) -> None:
         s.pause(1.0)
 
 
-def corrupt(disk: Path, how: str) -> None:
-    data = disk / "blocks.dat"
-    if how == "flip":
-        raw = bytearray(data.read_bytes())
-        for i in range(0, len(raw), 4096):
-            raw[i] ^= 0xFF
-        data.write_bytes(bytes(raw))
-    elif how == "truncate":
-        with data.open("r+b") as f:
-            f.truncate(min(os.path.getsize(data), 100_000))  # cuts inside the second block
-    else:
-        data.unlink()
-
-
 @pytest.mark.parametrize("how", ["flip", "truncate", "delete"])
 def test_corrupt_disk_blocks_are_recomputed_never_served(how: str, tmp_path: Path) -> None:
     engine = tiered("tiny", tmp_path, "offload-disk")
-    s = engine.open_session()
-    first = list(s.generate(FIRST, PARAMS).token_ids)
-    s.pause(expected_wait_s=30.0)
-    settle(engine)
-    corrupt(tmp_path / "disk-offload-disk", how)
-    second = list(s.generate(SECOND, PARAMS).token_ids)
-    assert [first, second] == reference("tiny")[:2]
+    turns = turns_around_disk_damage(engine, disk_dir(tmp_path, "offload-disk"), how)
+    assert_same_turns(turns, reference_turns("tiny", [FIRST, SECOND]))
     assert engine.offload.stats.disk_misses > 0
     assert engine.offload.disk is not None and engine.offload.disk.stats.misses > 0
     engine.close()
-
-
-RESTART = textwrap.dedent(
-    """
-    import json, os, sys
-    from kvpilot.engine import Engine, SamplingParams
-    phase, disk = sys.argv[1], sys.argv[2]
-    first, second = json.loads(sys.argv[3]), json.loads(sys.argv[4])
-    params = SamplingParams(max_tokens=8, ignore_eos=True)
-    engine = Engine.from_pretrained(
-        "tiny", kv_blocks=128, disk_dir=disk, pause_policy="offload-disk"
-    )
-    if phase == "before":
-        s = engine.open_session(session_id="agent-1")
-        out = s.generate(first, params)
-        s.pause(expected_wait_s=600.0, tool="human-review")
-        while engine.offload.busy():
-            engine.step()
-        engine.offload.disk.flush()
-        print(json.dumps(list(out.token_ids)), flush=True)
-        os._exit(0)  # killed: no clean shutdown
-    s = engine.open_session(session_id="agent-1")
-    before = engine.stats.prefill_tokens
-    out = s.generate(second, params)
-    print(json.dumps({
-        "tokens": list(out.token_ids),
-        "prefill": engine.stats.prefill_tokens - before,
-        "cached": out.cached_tokens,
-        "disk": out.cached_tokens_by_tier["disk"],
-    }))
-    """
-)
-
-
-def test_killed_process_resumes_a_paused_session_from_disk(tmp_path: Path) -> None:
-    script = tmp_path / "restart.py"
-    script.write_text(RESTART)
-    disk = str(tmp_path / "disk")
-    args = [json.dumps(FIRST), json.dumps(SECOND)]
-
-    def run(phase: str) -> str:
-        done = subprocess.run(
-            [sys.executable, str(script), phase, disk, *args],
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert done.returncode == 0, done.stderr
-        return done.stdout.strip().splitlines()[-1]
-
-    first = json.loads(run("before"))
-    after = json.loads(run("after"))
-    ref = reference("tiny")
-    assert [first, after["tokens"]] == ref[:2]
-    history_before_turn = len(FIRST) + len(first)
-    on_disk = (len(FIRST) + len(first) - 1) // 16 * 16
-    assert after["disk"] >= (len(FIRST) // 16) * 16
-    # Only what was not on disk is prefilled: the partial tail, then the new prompt.
-    assert after["prefill"] == history_before_turn + len(SECOND) - after["cached"]
-    assert after["cached"] >= on_disk - 16

@@ -6,9 +6,10 @@ from hypothesis import strategies as st
 
 from kvpilot.errors import ConfigError
 from kvpilot.policy.breakeven import PauseAction
+from kvpilot.sizing.capacity import block_sizing, max_concurrency, memory_budget
 from kvpilot.sizing.geometry import PRESETS
 from kvpilot.sizing.hardware import ACCELERATORS, GIB, parse_node
-from kvpilot.sizing.plan import PlanConfig, block_sizing, make_plan, max_concurrency, memory_budget
+from kvpilot.sizing.plan import PlanConfig, make_plan
 
 LLAMA_70B = PRESETS["llama-3-70b"]
 KIB = 1024
@@ -19,6 +20,7 @@ def napkin_0_7_config(**changes: object) -> PlanConfig:
     fields: dict[str, object] = {
         "geometry": LLAMA_70B,
         "node": parse_node("8xh100").with_overrides(hbm_bytes=80 * 10**9),
+        "tp": 8,
         "weight_bytes": 140e9,
         "reserve_bytes_per_device": 4.5e9,
         "headroom": 0.10,
@@ -36,7 +38,7 @@ def test_node_parses_count_and_accelerator() -> None:
 
 
 def test_unknown_accelerator_lists_the_presets() -> None:
-    with pytest.raises(ConfigError, match="h100-sxm, h200, b200, gh200"):
+    with pytest.raises(ConfigError, match="a100-40, a100-80, h100-pcie, h100-sxm, h200"):
         parse_node("8xtpu-v5")
 
 
@@ -47,8 +49,11 @@ def test_node_figures_can_be_overridden() -> None:
     assert node.accelerator.hbm_bytes == 80 * GIB
 
 
-def test_gh200_host_link_is_nvlink_c2c() -> None:
-    assert ACCELERATORS["gh200"].host_link_bw_bytes_s == 900e9
+def test_grace_hosted_parts_reach_host_memory_over_nvlink_c2c() -> None:
+    # 900 GB/s both directions together: 450 GB/s each way, as a copy moves.
+    for name in ("gh200", "gb200"):
+        assert ACCELERATORS[name].host_link_bw_bytes_s == 450e9
+        assert ACCELERATORS[name].host_link == "NVLink-C2C"
 
 
 def test_napkin_0_1_pool_is_526_gb_on_a_687_gb_node() -> None:
@@ -60,7 +65,7 @@ def test_napkin_0_1_pool_is_526_gb_on_a_687_gb_node() -> None:
 
 
 def test_napkin_0_1_node_holds_195_48_12_trajectories() -> None:
-    plan = make_plan(PlanConfig(LLAMA_70B, parse_node("8xh100")))
+    plan = make_plan(PlanConfig(LLAMA_70B, parse_node("8xh100"), tp=8))
     assert [r.cold for r in plan.capacity] == [195, 48, 12]
     assert [round(r.trajectory_bytes / 1e9, 1) for r in plan.capacity] == [2.7, 10.7, 42.9]
     assert plan.footprint.model_bytes == 327_680
@@ -71,6 +76,7 @@ def test_napkin_0_3_block_sizing_on_a_60_gib_pool() -> None:
         PlanConfig(
             LLAMA_70B,
             parse_node("8xh100"),
+            tp=8,
             weight_bytes=140 * GIB,
             reserve_bytes_per_device=2.5 * GIB,
             block_sizes=(16, 64),
@@ -127,7 +133,7 @@ def test_tp_must_divide_the_node() -> None:
 
 
 def test_weights_that_fill_the_device_are_an_actionable_error() -> None:
-    with pytest.raises(ConfigError, match="raise --tp or use a bigger --node"):
+    with pytest.raises(ConfigError, match="raise --tp, lower --weights-dtype or use a bigger"):
         make_plan(PlanConfig(LLAMA_70B, parse_node("1xh100")))
 
 
@@ -137,7 +143,7 @@ def test_headroom_must_be_a_fraction_below_one() -> None:
 
 
 def test_napkin_0_6_pause_is_priced_for_each_context() -> None:
-    plan = make_plan(PlanConfig(LLAMA_70B, parse_node("8xh100"), pause_s=45))
+    plan = make_plan(PlanConfig(LLAMA_70B, parse_node("8xh100"), tp=8, pause_s=45))
     row = next(r for r in plan.pauses if r.context_tokens == 32768)
     d = row.decision
     assert d.action is PauseAction.OFFLOAD_HOST

@@ -116,7 +116,9 @@ def test_the_serve_command_builds_the_app_and_runs_uvicorn(
 
 
 def test_bad_serve_options_exit_with_a_message(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(cli_serve, "build_app", lambda options: pytest.fail("must not build"))
+    monkeypatch.setattr(
+        cli_serve, "build_app", lambda options, banner=None: pytest.fail("must not build")
+    )
     result = CliRunner().invoke(cli(), ["--kv-memory", "1GiB", "--kv-blocks", "4"])
     assert result.exit_code != 0
     assert "not both" in result.output
@@ -150,7 +152,7 @@ def test_serve_and_sim_share_flag_names() -> None:
 def test_scheduler_and_pool_flags_reach_the_engine_config(monkeypatch: pytest.MonkeyPatch) -> None:
     built: list[ServeOptions] = []
 
-    def fake_build(options: ServeOptions) -> object:
+    def fake_build(options: ServeOptions, banner: object = None) -> object:
         built.append(options)
         raise typer.Exit(0)
 

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import subprocess
-import sys
 from array import array
 from pathlib import Path
 
@@ -15,6 +13,8 @@ from hypothesis import strategies as st
 
 from kvpilot.errors import ConfigError, InvalidRequest, KvpilotError
 from kvpilot.store import SessionStore, StoredSession
+
+from kill import sigkill_when_ready
 
 
 def test_save_then_load_returns_the_same_session(tmp_path: Path) -> None:
@@ -85,16 +85,18 @@ def test_a_hundred_thousand_token_session_round_trips(tmp_path: Path) -> None:
 
 
 _CHILD = """
-import os, sys
+import sys, time
 from kvpilot.store import SessionStore
 store = SessionStore(sys.argv[1])
 store.save("paused", list(range(5000)), "tenant-b", {"tool": "human_approval"})
-os._exit(0)  # killed: no close()
+print("READY", flush=True)  # the parent SIGKILLs it here: no close()
+while True:
+    time.sleep(60)
 """
 
 
 def test_a_saved_session_survives_a_killed_process(tmp_path: Path) -> None:
-    subprocess.run([sys.executable, "-c", _CHILD, str(tmp_path)], check=True, timeout=120)
+    sigkill_when_ready(["-c", _CHILD, str(tmp_path)])
     with SessionStore(tmp_path, create=False) as store:
         loaded = store.load("paused")
         assert loaded is not None

@@ -72,3 +72,74 @@ def test_calibrated_simulator_predicts_the_real_engine_replay() -> None:
     assert check.throughput_error < 0.15, check.to_json()
     assert check.hit_rate_error < 0.15, check.to_json()
     assert check.real_hit_rate > 0.5
+
+
+def test_step_clock_runs_only_inside_engine_steps() -> None:
+    from kvpilot.engine.sampling import SamplingParams
+    from kvpilot.sim.calibrate import StepClock, real_engine
+
+    engine, _ = real_engine("tiny", kv_blocks=64)
+    clock = engine.clock
+    assert isinstance(clock, StepClock)
+    engine.add_request([5] * 40, SamplingParams(max_tokens=2, ignore_eos=True))
+    before = clock.now()
+    sum(i * i for i in range(300_000))  # harness work: not the engine's time
+    assert clock.now() == before
+    engine.step()
+    after = clock.now()
+    assert after > before
+    clock.sleep(2.0)
+    assert clock.now() == pytest.approx(after + 2.0)
+
+
+def test_calibrate_check_replays_up_to_the_models_limit(tmp_path, monkeypatch) -> None:
+    import json
+
+    from typer.testing import CliRunner
+
+    import kvpilot.sim.calibrate as cal
+    from kvpilot.cli import app
+    from kvpilot.sim.profile import StepProfile
+
+    profile = StepProfile(
+        "tiny",
+        "cpu",
+        "float32",
+        16,
+        (1e-3, 1e-5, 1e-4, 0, 0),
+        1e-6,
+        50,
+        0.9,
+        0.1,
+        max_model_len=8192,
+    )
+    seen: list[list[int]] = []
+    monkeypatch.setattr(cal, "calibrate", lambda *a, **k: profile)
+    monkeypatch.setattr(cal, "tokenizer_of", lambda model: None)
+
+    def fake_check(profile: object, sessions: list, **kw: object) -> object:
+        seen.append([len(c.prompt) for s in sessions for c in s.calls])
+        return cal.ReplayCheck(1, 1, 1, 1.0, 1.0, 1, 1, 0.5, 0.5)
+
+    monkeypatch.setattr(cal, "check_replay", fake_check)
+    rows = [
+        {
+            "timestamp": float(i),
+            "input_length": n,
+            "output_length": 10,
+            "hash_ids": list(range(n // 16)),
+            "session_id": "s",
+        }
+        for i, n in enumerate((5000, 6000, 7000, 8150, 9000))
+    ]
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("\n".join(json.dumps(r) for r in rows))
+    args = ["calibrate", "--out", str(tmp_path / "p.json"), "--trace", str(trace)]
+    result = CliRunner().invoke(app, [*args, "--json"])
+    assert result.exit_code == 0, result.output
+    assert seen == [[5000, 6000, 7000, 8150]]  # up to 8,192 - 32 output tokens
+    result = CliRunner().invoke(app, [*args, "--max-call-tokens", "4000"])
+    assert result.exit_code == 2
+    assert "the shortest first call has 5,000 tokens: raise --max-call-tokens" in " ".join(
+        result.output.split()
+    )

@@ -2,23 +2,28 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvpilot.engine.executor import SeqWork
 from kvpilot.errors import ConfigError
 from kvpilot.sim.cost_model import (
-    PROFILE_FEATURES,
     BatchShape,
-    CalibratedCostModel,
     RooflineCostModel,
-    StepProfile,
     batch_shape,
+    decode_run_shape,
     shape_of,
+    window_pairs,
 )
+from kvpilot.sim.profile import PROFILE_FEATURES, CalibratedCostModel, StepProfile
 from kvpilot.sizing.geometry import ModelGeometry, resolve_geometry
 from kvpilot.sizing.hardware import Accelerator, Node, parse_node
+from kvpilot.sizing.layers import FULL, WINDOW, LayerGroup
 
 # Napkin Math 0.5: 70B parameters in 16-bit (140 GB), 800 TFLOP/s, 3.0 TB/s, one device.
 NAPKIN_MODEL = ModelGeometry("napkin-70b", 80, 8, 128, 70e9, "bf16", "bf16", 8192, 64)
@@ -190,3 +195,69 @@ def test_unreadable_profile_names_the_file(tmp_path) -> None:
     path.write_text("{not json")
     with pytest.raises(ConfigError, match=r"nope\.json"):
         StepProfile.load(path)
+
+
+GEMMA_LIKE = ModelGeometry(
+    "gemma-like",
+    42,
+    8,
+    256,
+    9.24e9,
+    "bf16",
+    "bf16",
+    3584,
+    16,
+    layer_groups=(LayerGroup(FULL, 21), LayerGroup(WINDOW, 21, window_tokens=4096)),
+)
+
+
+@settings(deadline=None)
+@given(c=st.integers(1, 3000), p=st.integers(0, 9000), window=st.integers(1, 5000))
+def test_window_pairs_count_what_each_query_sees(c: int, p: int, window: int) -> None:
+    assert window_pairs(c, p, window) == sum(min(q + 1, window) for q in range(p, p + c))
+
+
+def test_window_layers_read_at_most_their_window() -> None:
+    hybrid = RooflineCostModel(GEMMA_LIKE, parse_node("h100"), 1, step_overhead_s=0.0)
+    full = RooflineCostModel(
+        dataclasses.replace(GEMMA_LIKE, layer_groups=()), parse_node("h100"), 1, step_overhead_s=0
+    )
+    assert hybrid.windows == (4096,)
+    works = [SeqWork(i, [1], start_pos=60_000, block_table=[]) for i in range(32)]
+    shape = batch_shape(works, hybrid.windows)
+    assert shape.window_kv_read == (32 * 4096,) and shape.window_pairs == (32 * 4096,)
+    cost = hybrid.cost(shape)
+    # Half the layers read 60k tokens, half 4,096: a bit more than half the full model's KV.
+    layer = GEMMA_LIKE.layer_bytes_per_token()
+    assert cost.memory_bytes - GEMMA_LIKE.weight_bytes() == 21 * layer * 32 * (60_001 + 4097)
+    assert hybrid.step_time_s(shape) == pytest.approx(cost.time_s)
+    assert hybrid.step_time_s(shape) < 0.6 * full.step_time_s(batch_shape(works))
+    # Below the window, the two agree.
+    short = [SeqWork(i, [1], start_pos=1000, block_table=[]) for i in range(32)]
+    assert hybrid.step_time_s(batch_shape(short, hybrid.windows)) == pytest.approx(
+        full.step_time_s(batch_shape(short))
+    )
+
+
+@pytest.mark.parametrize(
+    "model",
+    [
+        RooflineCostModel(GEMMA_LIKE, parse_node("h100"), 1),
+        RooflineCostModel(resolve_geometry("llama-3-70b"), parse_node("8xh100"), 8),
+        CalibratedCostModel(_profile()),
+    ],
+    ids=["roofline-hybrid", "roofline", "calibrated"],
+)
+@settings(deadline=None)
+@given(positions=st.lists(st.integers(0, 9000), min_size=1, max_size=40))
+def test_decode_run_durations_equal_each_steps_time_to_the_last_bit(
+    model: Any, positions: list[int]
+) -> None:
+    run = model.decode_run_s(positions)
+    for step in range(30):
+        works = [
+            SeqWork(i, [1], start_pos=p + step, block_table=[]) for i, p in enumerate(positions)
+        ]
+        shape = batch_shape(works, model.windows)
+        assert shape == decode_run_shape(positions, step, model.windows)
+        assert next(run) == model.step_time_s(shape)

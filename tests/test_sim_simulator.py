@@ -12,16 +12,16 @@ from kvpilot.engine.config import EngineConfig
 from kvpilot.engine.engine import Engine
 from kvpilot.errors import ConfigError
 from kvpilot.sim.build import SimSetup, build_engine, kv_pool_blocks, run_simulation
-from kvpilot.sim.cost_model import CalibratedCostModel, StepProfile
 from kvpilot.sim.drivers import ReplayDriver
 from kvpilot.sim.policies import apply_policy, resolve_policy
+from kvpilot.sim.profile import CalibratedCostModel, StepProfile
 from kvpilot.sim.replay import ReplayCall, ReplaySession
 from kvpilot.sim.runner import SimulatedRunner
 from kvpilot.sim.simulator import Simulator
 from kvpilot.sim.workload import WorkloadConfig
+from kvpilot.sizing.capacity import max_concurrency
 from kvpilot.sizing.geometry import resolve_geometry
 from kvpilot.sizing.hardware import parse_node
-from kvpilot.sizing.plan import max_concurrency
 
 FOREVER = {"forever": {"weight": 1, "wait": 1e9}}
 
@@ -101,8 +101,16 @@ def test_kv_pool_comes_from_plan_memory_budget() -> None:
     blocks = kv_pool_blocks(g, node, 8)
     per_device = node.accelerator.hbm_bytes - g.weight_bytes(8) - 2.5e9
     assert blocks == int(per_device // (16 * g.bytes_per_token(8)))
-    engine, _ = build_engine(SimSetup(), 32000)
+    engine, _ = build_engine(SimSetup(tp=8), 32000)
     assert engine.kv.device.num_blocks == blocks
+
+
+def test_default_tp_and_context_are_the_plans() -> None:
+    setup = SimSetup()  # llama-3-70b on 8xh100: TP 4 x 2 replicas, as `kvpilot plan` says
+    assert setup.tp_degree() == 4 and setup.model_len() == 131072
+    long = SimSetup(model="mistral-7b", max_model_len=200_000)
+    assert long.tp_degree() == 1 and long.model_len() == 32768
+    assert any("exceeds mistral-7b's limit of 32,768" in w for w in long.warnings())
 
 
 def test_each_turn_arrives_after_its_tool_wait() -> None:
@@ -280,7 +288,7 @@ def test_runner_advances_the_clock_by_the_cost_model() -> None:
     assert runner.steps == 5 and runner.busy_s == pytest.approx(clock.now())
 
 
-def test_replay_sends_each_call_after_the_previous_one_finishes() -> None:
+def test_replay_keeps_the_traces_gaps_and_pauses_for_them() -> None:
     shared = tuple(range(1, 200))
     sessions = [
         ReplaySession(
@@ -299,9 +307,34 @@ def test_replay_sends_each_call_after_the_previous_one_finishes() -> None:
     assert driver.completed == 1 and driver.calls == 3
     arrivals = list(sim.turns.arrival_s)
     finishes = list(sim.turns.finish_s)
-    assert arrivals[1] >= finishes[0] > 0.001
-    assert arrivals[2] == pytest.approx(50.0)
+    # Each recorded gap is a tool wait after the call ends, announced as a pause.
+    assert arrivals[1] == pytest.approx(finishes[0] + 0.001)
+    assert arrivals[2] == pytest.approx(finishes[1] + 49.999)
+    assert driver.pauses == 2 and sum(engine.offload.stats.decisions.values()) == 2
+    # Each call restarts the session on its whole prompt (the trace's reply is not what
+    # the simulator generated): the cache serves the common full blocks.
+    assert driver.restarts == 2
     assert list(sim.turns.cached_tokens) == [0, 192, 224]
+    assert list(sim.turns.prompt_tokens) == [199, 239, 241]
+
+
+def test_replay_call_extending_the_session_is_its_next_turn() -> None:
+    from kvpilot.engine.sampling import SamplingParams
+
+    first = tuple(range(1, 100))
+    probe, _ = build_engine(setup(), 32000)  # the same seeds: learn what the model will say
+    said = probe.open_session().generate(first, SamplingParams(max_tokens=5, ignore_eos=True))
+    extended = (*first, *said.token_ids, 500, 501, 502)
+    engine, _ = build_engine(setup(), 32000)
+    sim = Simulator(engine, duration_s=100.0)
+    replay = ReplaySession("a", (ReplayCall(first, 5, 0.0), ReplayCall(extended, 3, 0.0)))
+    driver = ReplayDriver([replay], time_scale=0.0)
+    sim.run(driver)
+    assert driver.restarts == 0 and driver.pauses == 0  # time_scale 0: back to back
+    assert list(sim.turns.prompt_tokens) == [99, 107]
+    # A next turn reuses the session's whole history, partial block included (99 prompt
+    # tokens + 4 of the 5 generated ones were computed); a restart would reuse 96.
+    assert list(sim.turns.cached_tokens) == [0, 103]
 
 
 def test_policies_resolve_and_apply() -> None:

@@ -9,7 +9,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from kvpilot.cli.sim import trace_analyze
+from kvpilot.cli.trace import trace_analyze
 from kvpilot.errors import ConfigError
 from kvpilot.trace.analyze import (
     DEFAULT_ZONES,
@@ -133,6 +133,63 @@ def test_hashed_traces_are_diagnosed_without_zones(tmp_path) -> None:
     calls = d.sessions[0].calls
     assert calls[1].divergence_zone == "appended" and calls[1].reuse_tokens == 96
     assert calls[2].divergence_zone == "unknown" and calls[2].breaks_layout
+    # Hashed blocks all change when one token is inserted: no telling what changed.
+    assert calls[2].cause == "unknown"
+
+
+def interleaved(tmp_path: Path, n_sessions: int = 1, turns: int = 4) -> Path:
+    """Sessions where an orchestrator and a sub-agent share one session id."""
+    rows = []
+    sub = (
+        "<instructions>\n"
+        + "You are a sub-agent; you only read files. " * 30
+        + "\n</instructions>\n"
+    )
+    for s in range(n_sessions):
+        main, helper = TASK + SYSTEM, sub + "<task>read setup.py</task>\n"
+        for i in range(turns):
+            rows.append(text_row(f"mixed{s}", 10_000_000 * s + 1_000_000 * (2 * i), main))
+            rows.append(text_row(f"mixed{s}", 10_000_000 * s + 1_000_000 * (2 * i + 1), helper))
+            main += obs(i)
+            helper += obs(100 + i)
+    path = tmp_path / "mixed.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return path
+
+
+def test_sessions_mixing_conversations_are_split_and_not_layout_problems(tmp_path) -> None:
+    d = diagnose(load_trace_inputs([interleaved(tmp_path)]))
+    (s,) = d.sessions
+    assert s.interleaved and len(s.conversations) == 2
+    assert [c.calls for c in s.conversations] == [4, 4]
+    assert [c.conversation for c in s.calls] == [0, 1] * 4
+    assert not s.breaks and not d.breaking_sessions
+    assert d.causes == {"interleaved_conversation": 7}
+    # Each conversation reuses its own previous call: most of every prompt after the first.
+    assert all(c.reuse_rate > 0.5 for c in s.conversations)
+    assert all(c.reuse_tokens > 0 for c in s.calls[2:])
+    assert [x.session_id for x in d.interleaved_sessions] == ["mixed0"]
+
+
+def test_report_is_capped_at_top_n_with_counts(tmp_path) -> None:
+    rows = []
+    for s in range(30):
+        history = SYSTEM + TASK
+        for i in range(3):
+            stamp = f"[request {i:04d} at 2025-01-0{i + 1}]\n"
+            rows.append(text_row(f"s{s}", 100_000_000 * s + 1_000_000 * i, stamp + history))
+            history += obs(i)
+    path = tmp_path / "many.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    app = typer.Typer()
+    app.command()(trace_analyze)
+    result = CliRunner().invoke(app, [str(path), "--top", "5"], terminal_width=200)
+    assert result.exit_code == 0, result.output
+    out = result.output
+    assert "volatile_field_at_head" in out and "why prefixes break" in out
+    assert "... and 25 more sessions" in out
+    assert "... and 55 more breaking calls" in out
+    assert out.count("\n") < 80  # 30 sessions x 3 calls would print well over 100 rows
 
 
 def test_cli_prints_tables_json_and_a_plot(tmp_path) -> None:
@@ -142,7 +199,7 @@ def test_cli_prints_tables_json_and_a_plot(tmp_path) -> None:
     runner = CliRunner()
     result = runner.invoke(app, [str(trace)])
     assert result.exit_code == 0, result.output
-    assert "calls that break the prefix" in result.output
+    assert "breaking calls" in result.output and "volatile_field_at_head" in result.output
     result = runner.invoke(app, [str(trace), "--json"])
     data = json.loads(result.output)
     assert data["breaking_sessions"] == ["bad"]

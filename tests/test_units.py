@@ -13,10 +13,10 @@ from kvpilot.memory import Tier
 from kvpilot.units import (
     format_bytes,
     format_count,
-    format_duration,
     format_figure,
     format_in,
     format_percent,
+    format_seconds,
     to_jsonable,
 )
 
@@ -35,13 +35,14 @@ def test_bytes_read_in_decimal_units_as_the_spec_writes_them(n: float, text: str
         (0.25, "250 ms"),
         (1.234, "1.23 s"),
         (45.0, "45.0 s"),
-        (3600.0, "3600 s"),
+        (125.0, "125 s"),
+        (3600.0, "60 min"),
         (math.inf, "forever"),
         (math.nan, "-"),
     ],
 )
 def test_durations_pick_their_unit(seconds: float, text: str) -> None:
-    assert format_duration(seconds) == text
+    assert format_seconds(seconds) == text
 
 
 def test_counts_figures_and_fixed_unit_cells() -> None:

@@ -54,3 +54,7 @@ def require(condition: bool, message: str) -> None:
     ``condition`` holds (kept under ``python -O``, unlike ``assert``)."""
     if not condition:
         raise AssertionError(message)
+
+
+class NoReplicaAvailable(KvpilotError):
+    """Every replica of a fleet is down (or none has started yet)."""

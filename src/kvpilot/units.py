@@ -12,7 +12,6 @@ from typing import Any
 from kvpilot.errors import ConfigError
 
 _UNITS: dict[str, int] = {
-    "": 1,
     "b": 1,
     "kb": 10**3,
     "mb": 10**6,
@@ -23,16 +22,29 @@ _UNITS: dict[str, int] = {
     "gib": 1 << 30,
     "tib": 1 << 40,
 }
+_UNIT_NAMES = "B, KB, MB, GB, TB (decimal) or KiB, MiB, GiB, TiB (binary)"
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
 
 
-def parse_bytes(text: str) -> float:
-    """'20GB' -> 2e10, '2.5GiB' -> 2.5 * 2**30, '640KiB', '64GB/s' (bandwidth), '1024' (bytes)."""
+def parse_bytes(text: str, what: str = "size") -> float:
+    """'20GB' -> 2e10, '2.5GiB' -> 2.5 * 2**30, '640KiB', '64GB/s' (a bandwidth), '512B'.
+
+    The one parser of sizes: a bare number is an error, because "80" could be bytes or
+    gigabytes and "80GB" and "80GiB" differ by 7%. ``what`` names the option in messages.
+    """
     match = _SIZE_RE.match(text.removesuffix("/s").removesuffix("ps"))
+    if match is not None and not match.group(2) and float(match.group(1)) == 0:
+        return 0.0  # nothing is nothing in every unit
+    if match is not None and not match.group(2):
+        raise ConfigError(
+            f"{what} {text!r} has no unit: write e.g. {match.group(1)}GB or "
+            f"{match.group(1)}GiB (units: {_UNIT_NAMES})"
+        )
     unit = match.group(2).lower() if match else ""
     if match is None or unit not in _UNITS:
         raise ConfigError(
-            f"cannot read size {text!r}: write a number with a unit, e.g. 20GB, 2.5GiB, 640KiB"
+            f"cannot read {what} {text!r}: write a number with a unit, e.g. 20GB, 2.5GiB, "
+            f"640KiB (units: {_UNIT_NAMES})"
         )
     return float(match.group(1)) * _UNITS[unit]
 
@@ -41,39 +53,68 @@ _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|min|h|d)?\s*$", re.IGNORE
 _DURATION_UNITS = {"ms": 1e-3, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0, "d": 86400.0}
 
 
-def parse_duration(text: str) -> float:
-    """Seconds from "3600", "90s", "30m", "1.5h" or "1d"."""
+def parse_duration(text: str, what: str = "duration") -> float:
+    """Seconds from "3600", "90s", "30m", "1.5h" or "1d" (a bare number is seconds)."""
     match = _DURATION.match(text)
     if match is None:
-        raise ConfigError(f"cannot read duration {text!r}: write e.g. 3600, 90s, 30m, 1h")
+        raise ConfigError(f"cannot read {what} {text!r}: write e.g. 3600, 90s, 30m, 1h")
     value = float(match.group(1)) * _DURATION_UNITS[(match.group(2) or "s").lower()]
     if value <= 0:
-        raise ConfigError(f"duration must be positive, got {text!r}")
+        raise ConfigError(f"{what} must be positive, got {text!r}")
     return value
 
 
-# -- printing: the one set of formatters for pause reasons, tables and reports ------------
+# -- printing: one set of formatters, so every command writes sizes and times alike ------
+
+_DECIMAL = (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3))
+_BINARY = (("TiB", 2.0**40), ("GiB", 2.0**30), ("MiB", 2.0**20), ("KiB", 2.0**10))
 
 
-def format_bytes(n: float) -> str:
-    """'10.7 GB': decimal units with one decimal, as the spec writes sizes; '512 B' below 1 kB."""
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
+def _scaled(value: float) -> str:
+    return f"{value:.0f}" if abs(value) >= 100 else f"{value:.1f}"
+
+
+def format_bytes(n: float, *, binary: bool = False) -> str:
+    """A size in the unit that fits: '6.4 MB', '10.7 GB', '225 GB', '512 B'.
+
+    Decimal units by default (the spec's figures, e.g. 10.7 GB, read as in the spec);
+    ``binary=True`` for sizes people set in binary units (pools of 16 GiB, 640 KiB blocks).
+    """
+    for unit, scale in _BINARY if binary else _DECIMAL:
+        if abs(n) >= scale:
+            return f"{_scaled(n / scale)} {unit}"
     return f"{n:.0f} B"
 
 
-def format_duration(seconds: float) -> str:
-    """'850 ms', '1.25 s', '12.5 s', '125 s'; 'forever' for an infinite wait, '-' for NaN."""
+def format_rate(bytes_per_s: float) -> str:
+    """A bandwidth: '338 MB/s', '64.0 GB/s'."""
+    return f"{format_bytes(bytes_per_s)}/s"
+
+
+def format_seconds(seconds: float) -> str:
+    """A duration that reads at a glance: '628 ms', '2.35 s', '45.0 s', '12 min', 'forever'."""
     if math.isnan(seconds):
         return "-"
     if math.isinf(seconds):
         return "forever"
+    if seconds < 1e-3:
+        return f"{seconds * 1e6:.0f} µs"
     if seconds < 1.0:
         return f"{seconds * 1e3:.0f} ms"
     if seconds < 10:
         return f"{seconds:.2f} s"
-    return f"{seconds:.1f} s" if seconds < 100 else f"{seconds:.0f} s"
+    if seconds < 100:
+        return f"{seconds:.1f} s"
+    if seconds < 600:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def format_byte_seconds(byte_seconds: float) -> str:
+    """Memory held over time (the retain tax): '4.0 MB·s', '483 GB·s'."""
+    return f"{format_bytes(byte_seconds)}·s"
 
 
 def format_count(n: float) -> str:

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from kvpilot.sizing.frag_lab import FragReport, ScenarioResult
-from kvpilot.sizing.plan import Plan
-from kvpilot.units import format_in, format_percent, to_jsonable
+from kvpilot.units import format_bytes, format_in, format_percent, to_jsonable
+
+if TYPE_CHECKING:
+    from kvpilot.sizing.frag_lab import FragReport, ScenarioResult
+    from kvpilot.sizing.plan import Plan
 
 __all__ = ["render_frag", "render_plan", "to_jsonable"]
 
@@ -28,6 +32,24 @@ def render_plan(plan: Plan, console: Console) -> None:
         f"[bold]{plan.model}[/] on [bold]{plan.node}[/], TP {b.tp}{replicas} · "
         f"weights {plan.weight_dtype}, KV {plan.kv_dtype}"
     )
+    console.print(f"{plan.tp_reason}; {b.replicas} replica(s) on {b.devices} devices")
+    limit = f"; context limit {plan.max_context_tokens:,} tokens" if plan.max_context_tokens else ""
+    console.print(f"{plan.layers}{limit}")
+    console.print(
+        f"KV per token (eq. 1, whole model): [bold]{f.model_bytes:,} B[/]"
+        + (f"; {f.device_bytes:,} B on each of the TP {b.tp} devices" if b.tp > 1 else "")
+    )
+    if f.window_cap_model_bytes or f.state_model_bytes:
+        parts = [f"full-attention layers {f.full_model_bytes:,} B per token"]
+        if f.window_cap_model_bytes:
+            parts.append(
+                f"window layers at most {format_bytes(f.window_cap_model_bytes)} per sequence"
+            )
+        if f.state_model_bytes:
+            parts.append(f"linear layers {format_bytes(f.state_model_bytes)} of state per sequence")
+        console.print("hybrid: " + ", ".join(parts) + " (capacity below counts it this way)")
+    for warning in plan.warnings:
+        console.print(f"[yellow]warning:[/] {warning}")
 
     memory = Table(title="Memory (eq. 3-5)", title_justify="left", box=box.SIMPLE_HEAD)
     memory.add_column("")
@@ -72,13 +94,13 @@ def render_plan(plan: Plan, console: Console) -> None:
     )
     for name in ("block (tokens)", "block (KiB)", "blocks", "tokens", "tail waste (%)"):
         blocks.add_column(name, justify="right")
-    for row in plan.blocks:
+    for block_row in plan.blocks:
         blocks.add_row(
-            f"{row.block_size}",
-            f"{row.block_bytes / 1024:,.0f}",
-            f"{row.num_blocks:,}",
-            f"{row.token_capacity:,}",
-            format_percent(row.tail_waste_fraction, 2),
+            f"{block_row.block_size}",
+            f"{block_row.block_bytes / 1024:,.0f}",
+            f"{block_row.num_blocks:,}",
+            f"{block_row.token_capacity:,}",
+            format_percent(block_row.tail_waste_fraction, 2),
         )
     console.print(blocks)
 
@@ -90,21 +112,30 @@ def render_plan(plan: Plan, console: Console) -> None:
         title_justify="left",
         box=box.SIMPLE_HEAD,
     )
-    for name in ("tokens", "KV (GB)", "reload (ms)", "recompute (s)", "held (GB·s)", "action"):
-        pause.add_column(name, justify="left" if name == "action" else "right")
-    for row in plan.pauses:
-        d = row.decision
+    for name in ("tokens", "KV\n(GB)", "reload\n(ms)", "recompute\n(s)", "held\n(GB·s)", "action"):
+        pause.add_column(name, justify="left" if name == "action" else "right", no_wrap=True)
+    for pause_row in plan.pauses:
+        d = pause_row.decision
         pause.add_row(
-            f"{row.context_tokens:,}",
-            _gb(row.kv_bytes),
+            f"{pause_row.context_tokens:,}",
+            _gb(pause_row.kv_bytes),
             _ms(d.reload_s),
             f"{d.recompute_s:,.2f}",
             f"{d.held_gb_s:,.0f}",
-            d.action.value,
+            d.action.label.lower(),
         )
     console.print(pause)
-    for row in plan.pauses:
-        console.print(f"{row.context_tokens:,} tokens: {row.decision.reason}")
+    for pause_row in plan.pauses:
+        console.print(f"{pause_row.context_tokens:,} tokens: {pause_row.decision.reason}")
+
+
+FRAG_COLUMNS = ("alloc. eff. %", "ext. frag. %", "effective eff. %")
+FRAG_KEY = (
+    "alloc. eff.: allocation efficiency (η_alloc), share of allocated memory that holds tokens",
+    "ext. frag.: external fragmentation (Φ_ext), share of free memory in pieces < a {request} "
+    "request",
+    "effective eff.: effective efficiency (η_effective), share of the whole pool holding tokens",
+)
 
 
 def render_frag(
@@ -114,9 +145,9 @@ def render_frag(
     console: Console,
 ) -> None:
     gib = 1 << 30
-    request = f"Φ_ext {reports[0].request_bytes / gib:g} GiB (%)" if reports else "Φ_ext (%)"
-    table = Table(title=workload_title, title_justify="left", box=box.SIMPLE_HEAD)
-    for name in ("allocator", "admitted", "η_alloc (%)", request, "η_effective (%)"):
+    console.print(workload_title, style="italic")
+    table = Table(box=box.SIMPLE_HEAD)
+    for name in ("allocator", "admitted", *FRAG_COLUMNS):
         table.add_column(name, justify="left" if name == "allocator" else "right")
     for r in reports:
         table.add_row(
@@ -127,17 +158,23 @@ def render_frag(
             format_percent(r.eta_effective),
         )
     console.print(table)
+    request = (
+        reports[0].request_bytes if reports else (scenarios[0].request_bytes if scenarios else 0)
+    )
+    for line in FRAG_KEY:
+        console.print(f"[dim]{line.format(request=f'{request / gib:g} GiB')}[/]")
 
     if not scenarios:
         return
     napkin = Table(
-        title=f"Napkin Math 0.2: 10 GiB pool, 160 KiB/token, next request "
+        title=f"The spec's pools A and B (Napkin Math 0.2): 10 GiB, 160 KiB/token, next request "
         f"{scenarios[0].request_bytes / gib:g} GiB",
         title_justify="left",
         box=box.SIMPLE_HEAD,
     )
-    for name in ("", "admitted", "η_alloc %", "Φ_ext %", "free GiB", "max hole GiB", "next"):
-        napkin.add_column(name, justify="right" if name else "left")
+    columns = ("pool", "admitted", *FRAG_COLUMNS[:2], "free GiB", "max hole GiB", "next")
+    for name in columns:
+        napkin.add_column(name, justify="left" if name == "pool" else "right")
     for sc in scenarios:
         snap = sc.snapshot
         napkin.add_row(

@@ -8,13 +8,15 @@ an `EngineConfig` (through its flat names), so both commands build configs the s
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from kvpilot.engine.config import EngineConfig
 from kvpilot.policy.pause import POLICY_NAMES
 from kvpilot.units import parse_bytes
+
+if TYPE_CHECKING:  # the engine (and NumPy) load only when a command runs
+    from kvpilot.engine.config import EngineConfig
 
 Model = Annotated[str, typer.Option(help="Checkpoint folder or 'tiny' (serve); preset (sim).")]
 KvBlocks = Annotated[int | None, typer.Option(help="Device KV pool in blocks.")]
@@ -40,11 +42,13 @@ HostMemory = Annotated[
 Policy = Annotated[str, typer.Option(help=f"Pause policy: {', '.join(POLICY_NAMES)}.")]
 
 
-def size(text: str | None) -> int | None:
-    """A size flag's bytes (None when the flag was not given)."""
-    return None if text is None else int(parse_bytes(text))
+def size(text: str | None, flag: str = "size") -> int | None:
+    """A size flag's bytes (None when the flag was not given); errors name ``flag``."""
+    return None if text is None else int(parse_bytes(text, flag))
 
 
 def engine_config(**flags: Any) -> EngineConfig:
     """An `EngineConfig` from flat option names; flags not given (None) keep the defaults."""
+    from kvpilot.engine.config import EngineConfig
+
     return EngineConfig.from_kwargs(**{k: v for k, v in flags.items() if v is not None})

@@ -180,6 +180,14 @@ class TurnResult:
 OnTurn = Callable[[TurnResult], None]
 
 
+@dataclass(frozen=True, slots=True)
+class Verification:
+    """Resumed turns recomputed from their tokens: the outputs must match."""
+
+    checked: int
+    mismatches: tuple[str, ...]  # one line per turn whose output differed
+
+
 class AgentClient:
     """Runs agent scripts against a server; ``stop`` ends every session after its turn.
 
@@ -277,6 +285,37 @@ class AgentClient:
             tool_wait_s=turn.tool_wait_s,
             pause=info.get("pause"),
         )
+
+    def verify(self, results: Sequence[TurnResult]) -> Verification:
+        """Recompute every resumed turn (each after a session's first) and compare.
+
+        The turn's whole prompt goes again as token ids, as a plain request under a cache salt
+        of the session's own: none of the session's KV is reused (a turn only reuses the
+        recompute of the session's previous turn, computed from tokens, never paused or
+        moved). Tokens are the truth: greedy decoding from them must give the same output
+        whatever the server did with the session's KV.
+        """
+        mismatches = []
+        resumed = sorted((r for r in results if r.turn > 0), key=lambda r: (r.script, r.turn))
+        for r in resumed:
+            response = self.openai.completions.create(
+                model=self.model,
+                prompt=list(r.prompt_token_ids),
+                max_tokens=len(r.completion_token_ids),
+                temperature=0.0,
+                extra_body={
+                    "cache_salt": f"kvpilot-demo-recompute-{r.session_id}",
+                    "ignore_eos": True,
+                    "return_token_ids": True,
+                },
+            )
+            again = tuple((response.model_extra or {})["kvpilot"]["completion_token_ids"][0])
+            if again != r.completion_token_ids:
+                mismatches.append(
+                    f"{r.script} turn {r.turn + 1}: {list(r.completion_token_ids)} resumed, "
+                    f"{list(again)} recomputed"
+                )
+        return Verification(len(resumed), tuple(mismatches))
 
     def replay(self, scripts: Sequence[AgentScript], on_turn: OnTurn) -> list[TurnResult]:
         """All scripts at once, each starting at its ``start_s``; results in sending order.

@@ -7,8 +7,10 @@ and the break-even pause policy. An agent-style client (`kvpilot.demo.client`) r
 recorded miniswe sessions through it, each turn sent as the new part of the session with
 the coming tool call and its wait. Every turn prints its cached tokens (and the tier they
 came back from) and the pause decision with its reason; a summary compares the hit rate
-with the ideal one and shows what the tiers did. The server is always stopped at the end,
-on an error or Ctrl-C too.
+with the ideal one and shows what the tiers did. Then every resumed turn is recomputed from
+its tokens with nothing cached (the server poisons freed KV blocks, so a stale read would
+show): the summary counts the mismatches, which must be 0. The server is always stopped at
+the end, on an error or Ctrl-C too.
 """
 
 from __future__ import annotations
@@ -19,11 +21,11 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import httpx
 import openai
 from prometheus_client.parser import text_string_to_metric_families
+from rich import box
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -35,11 +37,14 @@ from kvpilot.demo.client import (
     AgentScript,
     ScriptBudget,
     TurnResult,
+    Verification,
     ideal_hit_rate_of,
     load_scripts,
 )
 from kvpilot.errors import ConfigError, KvpilotError
+from kvpilot.policy.breakeven import PauseAction
 from kvpilot.server.process import ServeProcess
+from kvpilot.units import format_byte_seconds, format_bytes, format_seconds
 
 TRACE_DIR = Path("shared/traces/lmcache-agent-trace/miniswe")
 DIRECTIONS = ("device_to_host", "host_to_device", "device_to_disk", "disk_to_device")
@@ -68,6 +73,7 @@ class DemoConfig:
     policy: str = "breakeven"
     trace_dir: Path | None = field(default_factory=default_trace_dir)
     max_model_len: int = 8192
+    poison_freed_blocks: bool = True  # a stale KV read shows as a mismatch
 
     def __post_init__(self) -> None:
         need = self.budget.context_tokens(self.max_tokens)
@@ -98,6 +104,8 @@ class DemoSummary:
     idle_gb_s: float
     wall_s: float
     server_exit_code: int | None
+    recomputed_turns: int  # resumed turns checked against a recompute
+    mismatches: int  # of those, how many differed (must be 0)
 
 
 def run_engine_demo(
@@ -111,41 +119,66 @@ def run_engine_demo(
             *("--model", model, "--kv-blocks", str(config.kv_blocks)),
             *("--host-memory", config.host_memory, "--disk-dir", str(Path(tmp) / "kv")),
             *("--policy", config.policy, "--max-model-len", str(config.max_model_len)),
+            *(["--poison-freed-blocks"] if config.poison_freed_blocks else []),
         ]
-        server = ServeProcess(args, log_path=Path(tmp) / "serve.log")
-        console.rule("[bold]kvpilot serve: tiny with a host tier and a disk tier")
-        console.print(f"$ kvpilot serve {' '.join(args)}  [dim](log: {server.log_path})[/]")
+        server = ServeProcess(
+            args, log_path=Path(tmp) / "serve.log", on_log=lambda line: _banner_line(console, line)
+        )
+        console.rule(f"[bold]kvpilot serve: {escape(model)} with a host tier and a disk tier")
+        console.print(f"$ kvpilot serve {' '.join(args)}", soft_wrap=True)
         start = time.monotonic()
-        with server:
+        with console.status("starting kvpilot serve (its start-up log follows)"):
+            server.start()
+        try:
             tiers = server.health.get("tiers", {})
             block_size = int(tiers.get("device", {}).get("block_size", 16))
-            console.print(_describe_server(server.base_url, tiers))
             console.rule(
-                f"[bold]{len(scripts)} agent sessions from {escape(source)} "
-                f"(tool waits x{config.budget.time_scale:g})"
+                f"[bold]{len(scripts)} agent sessions, tool waits x{config.budget.time_scale:g}"
             )
+            console.print(f"[dim]sessions from {escape(source)}[/]")
             try:
                 results = _replay(console, server.base_url, model, scripts, config)
                 metrics = _scrape(server.base_url)
+                verification = _verify(console, server.base_url, model, results, config)
             except (openai.OpenAIError, httpx.HTTPError) as exc:
                 raise DemoError(
                     f"the agent replay failed: {type(exc).__name__}: {exc}\n"
                     f"last lines of the server's log:\n{server.log_tail()}"
                 ) from exc
+        finally:
+            with console.status("stopping kvpilot serve (it closes the engine and disk tier)"):
+                server.stop()
         wall = time.monotonic() - start
-    summary = _summarize(results, metrics, block_size, len(scripts), wall, server.returncode)
+    summary = _summarize(
+        results, metrics, verification, block_size, len(scripts), wall, server.returncode
+    )
     console.print(_summary_table(summary))
+    if verification.mismatches:
+        raise DemoError(
+            f"{len(verification.mismatches)} of {verification.checked} resumed turns differ "
+            "from a recompute of the same turn: KV was lost or mixed up on the way\n"
+            + "\n".join(verification.mismatches)
+        )
     return summary
 
 
-def _describe_server(url: str, tiers: dict[str, Any]) -> str:
-    host, disk = tiers.get("host", {}), tiers.get("disk", {})
-    return (
-        f"listening on {url}: device {tiers.get('device', {}).get('blocks')} blocks, "
-        f"host {host.get('blocks')} blocks (link {host.get('link_bw_bytes_s', 0) / 1e9:.1f} GB/s), "
-        f"disk {disk.get('blocks')} blocks ({disk.get('bw_bytes_s', 0) / 1e9:.1f} GB/s), "
-        f"pause policy {tiers.get('policy')}"
-    )
+BANNER_LOGGER = "kvpilot.serve: "
+
+
+def _banner_line(console: Console, line: str) -> None:
+    """Show the child server's start-up banner lines (not uvicorn's or access lines)."""
+    _, found, message = line.partition(BANNER_LOGGER)
+    if found:
+        console.print(_hanging("  serve |", escape(message)))
+
+
+def _hanging(label: str, text: str) -> Table:
+    """``label text``, the text's wrapped lines indented under its first."""
+    grid = Table.grid(padding=(0, 1))
+    grid.add_column(style="dim", no_wrap=True)
+    grid.add_column()
+    grid.add_row(label, text)
+    return grid
 
 
 def _replay(
@@ -167,23 +200,49 @@ def _replay(
 
         def on_turn(r: TurnResult) -> None:
             progress.console.print(_turn_line(r))
+            if r.pause is not None:
+                tool = f"{escape(r.tool or 'tool')} runs {r.tool_wait_s:.2f} s ·"
+                progress.console.print(_hanging(f"   {tool}", _reason(r)))
             progress.advance(task)
 
         return client.replay(scripts, on_turn)
 
 
+def _verify(
+    console: Console, url: str, model: str, results: list[TurnResult], config: DemoConfig
+) -> Verification:
+    console.rule("[bold]every resumed turn again, recomputed from its tokens")
+    with AgentClient(url, model=model, max_tokens=config.max_tokens) as client:
+        verification = client.verify(results)
+    for line in verification.mismatches:
+        console.print(f"[red]mismatch[/] {escape(line)}")
+    console.print(
+        f"{verification.checked} resumed turns recomputed from their tokens: "
+        f"{len(verification.mismatches)} mismatches"
+    )
+    return verification
+
+
 def _turn_line(r: TurnResult) -> str:
-    tiers = " · ".join(f"{t} {r.cached_by_tier[t]:,}" for t in TIERS)
+    tiers = " · ".join(f"{t} {r.cached_by_tier[t]:,}" for t in TIERS if r.cached_by_tier[t])
     line = (
-        f"[cyan]{escape(r.script)}[/] turn {r.turn + 1}: prompt {r.prompt_tokens:,} tokens, "
-        f"cached {r.cached_tokens:,} ({tiers}), {r.latency_s * 1e3:,.0f} ms"
+        f"[cyan]{escape(r.script)}[/] turn {r.turn + 1}: {r.prompt_tokens:,} prompt tokens, "
+        f"{r.cached_tokens:,} cached{f' ({tiers})' if tiers else ''}, "
+        f"{format_seconds(r.latency_s)}"
     )
-    if r.pause is None:
-        return line + " -> [dim]done[/]"
-    return (
-        line + f"\n    -> {escape(r.tool or '')} for {r.tool_wait_s:.2f} s: "
-        f"[bold]{escape(r.pause_action or '')}[/] [dim]{escape(r.pause_reason or '')}[/]"
-    )
+    return line if r.pause is not None else line + " [dim]· done[/]"
+
+
+def _reason(r: TurnResult) -> str:
+    """The pause reason, its leading decision in bold."""
+    reason = escape(r.pause_reason or "")
+    try:
+        label = PauseAction(r.pause_action).label
+    except ValueError:
+        return reason
+    if reason.startswith(label):
+        return f"[bold]{label}[/][dim]{reason[len(label) :]}[/]"
+    return f"[bold]{escape(label)}[/] [dim]{reason}[/]"
 
 
 def _scrape(url: str) -> dict[str, float]:
@@ -199,6 +258,7 @@ def _scrape(url: str) -> dict[str, float]:
 def _summarize(
     results: list[TurnResult],
     metrics: dict[str, float],
+    verification: Verification,
     block_size: int,
     sessions: int,
     wall_s: float,
@@ -232,27 +292,94 @@ def _summarize(
         idle_gb_s=metrics.get("kvpilot_idle_kv_gb_seconds_total", 0.0),
         wall_s=wall_s,
         server_exit_code=exit_code,
+        recomputed_turns=verification.checked,
+        mismatches=len(verification.mismatches),
     )
 
 
 def _summary_table(s: DemoSummary) -> Table:
-    table = Table("", "", title="kvpilot demo: summary", title_justify="left")
-    table.add_row("sessions / turns / pauses", f"{s.sessions} / {s.turns} / {s.pauses}")
-    table.add_row("prompt tokens / cached", f"{s.prompt_tokens:,} / {s.cached_tokens:,}")
-    table.add_row(
-        "prefix hit rate", f"{s.hit_rate:.1%} (ideal, infinite cache: {s.ideal_hit_rate:.1%})"
+    """Every figure with what it means, and what a good value looks like."""
+    table = Table(
+        title="kvpilot demo: what happened",
+        title_justify="left",
+        show_header=False,
+        box=box.SIMPLE,
+        padding=(0, 1),
     )
-    table.add_row(
-        "cached tokens by tier", " · ".join(f"{t} {s.cached_by_tier[t]:,}" for t in TIERS)
+    table.add_column(style="bold", no_wrap=True)
+    table.add_column(overflow="fold")
+
+    def row(label: str, value: str, note: str = "") -> None:
+        table.add_row(label, value + (f"\n[dim]{note}[/]" if note else ""))
+
+    row(
+        "sessions · turns · pauses",
+        f"{s.sessions} · {s.turns} · {s.pauses}",
+        "a pause: a turn that ended on a tool call",
     )
-    decisions = " · ".join(f"{a} {n}" for a, n in sorted(s.decisions.items())) or "none"
-    table.add_row("pause decisions", decisions)
-    table.add_row(
-        "bytes moved", " · ".join(f"{d} {n / 2**20:.1f} MiB" for d, n in s.bytes_moved.items())
+    row(
+        "prefix hit rate",
+        f"{s.hit_rate:.1%} of {s.prompt_tokens:,} prompt tokens came from cache "
+        f"(ideal: {s.ideal_hit_rate:.1%})",
+        "ideal: what a cache that never forgets would reuse; good: close to it",
     )
-    table.add_row("prefetch hits / stalls", f"{s.prefetch_hits} / {s.prefetch_stalls}")
-    table.add_row("recomputed tokens", f"{s.recomputed_tokens:,}")
-    table.add_row("idle device KV", f"{s.idle_gb_s:.4f} GB·s")
+    by_tier = " · ".join(_nbsp(f"{t} {s.cached_by_tier[t]:,}") for t in TIERS)
+    row("hits came from", f"{by_tier} tokens")
+    decided = [(a, n) for a, n in s.decisions.items() if a != "demoted"]
+    row(
+        "pause decisions",
+        " · ".join(f"{_label(a)} {n}" for a, n in sorted(decided, key=lambda x: -x[1])) or "none",
+    )
+    row(
+        "demotions",
+        f"{s.decisions.get('demoted', 0)}",
+        "retained sessions' KV moved off the device while they waited, to make room for "
+        "running work; good: few (many mean the device pool is small for what is kept)",
+    )
+    resumes = s.prefetch_hits + s.prefetch_stalls
+    row(
+        "prefetch hits · stalls",
+        f"{s.prefetch_hits} · {s.prefetch_stalls} of {resumes} resumes from host or disk",
+        "a hit: the KV was back on the device when the agent returned; a stall: the turn "
+        "waited for it to load; good: few stalls (the demo's tool waits, compressed, are "
+        "too short for most prefetches)",
+    )
+    row(
+        "KV moved",
+        " · ".join(_nbsp(f"{_direction(d)} {format_bytes(n)}") for d, n in s.bytes_moved.items()),
+    )
+    row(
+        "recomputed tokens",
+        f"{s.recomputed_tokens:,}",
+        "KV computed before, then dropped or lost, and computed again; good: few",
+    )
+    row(
+        "idle device KV",
+        format_byte_seconds(s.idle_gb_s * 1e9),
+        "device memory held by paused sessions over time (what retaining costs)",
+    )
+    row(
+        "resumed turns vs a recompute",
+        f"{s.recomputed_turns} checked, {s.mismatches} mismatches",
+        "each resumed turn run again from its tokens with no cache; good: 0 (anything else "
+        "means KV was lost or mixed up)",
+    )
     stopped = "cleanly" if s.server_exit_code == 0 else f"with status {s.server_exit_code}"
-    table.add_row("wall time", f"{s.wall_s:.1f} s (server stopped {stopped})")
+    row("wall time", f"{format_seconds(s.wall_s)} (server stopped {stopped})")
     return table
+
+
+def _label(action: str) -> str:
+    try:
+        return PauseAction(action).label.lower()
+    except ValueError:
+        return action
+
+
+def _nbsp(text: str) -> str:
+    """Keep one figure and its words on one line when the table wraps."""
+    return text.replace(" ", "\u00a0")
+
+
+def _direction(direction: str) -> str:
+    return direction.replace("_to_", " → ")

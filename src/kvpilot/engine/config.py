@@ -69,7 +69,8 @@ class PauseConfig:
     def __post_init__(self) -> None:
         if self.policy not in POLICY_NAMES:
             raise ConfigError(
-                f"unknown pause policy {self.policy!r}; choose one of {', '.join(POLICY_NAMES)}"
+                f"unknown pause policy {self.policy!r} (--policy); choose one of "
+                f"{', '.join(POLICY_NAMES)}"
             )
         if self.ttl_s < 0 or self.default_tool_wait_s < 0:
             raise ConfigError("pause_ttl_s and default_tool_wait_s must not be negative")
@@ -113,7 +114,17 @@ class TierConfig:
 @dataclass(frozen=True, slots=True)
 class RunnerConfig:
     """The KV pool and the executor: block size, device pool (blocks, or bytes), dtype,
-    device, attention backend, and the tiers below the device. None: the executor's own."""
+    device, attention backend, and the tiers below the device. None: the executor's own.
+
+    A model builder (`kvpilot.model.build`) reads ``dtype`` ("auto": bfloat16 on CUDA,
+    float32 on CPU), ``attention`` ("auto", "torch", "cpu", "triton"), and sizes the pool
+    from ``gpu_memory_utilization`` when neither ``kv_blocks`` nor ``kv_memory_bytes`` is
+    given; ``cuda_graphs`` captures decode-only steps on CUDA.
+
+    ``poison_freed_blocks`` overwrites every KV block returned to a free list (device and host)
+    with NaN, so a missed copy, a wrong slot or a stale block shows up as NaN or wrong
+    output instead of passing silently; the test suite runs with it on.
+    """
 
     block_size: int | None = None
     kv_blocks: int | None = None
@@ -121,6 +132,9 @@ class RunnerConfig:
     dtype: str | None = None
     device: str | None = None
     attention: str | None = None
+    gpu_memory_utilization: float = 0.9
+    cuda_graphs: bool = True
+    poison_freed_blocks: bool = False
     tiers: TierConfig = field(default_factory=TierConfig)
 
     def __post_init__(self) -> None:
@@ -134,6 +148,10 @@ class RunnerConfig:
         if self.kv_blocks is not None and self.kv_memory_bytes is not None:
             raise ConfigError(
                 "give kv_blocks (--kv-blocks) or kv_memory_bytes (--kv-memory), not both"
+            )
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
 
 

@@ -15,6 +15,7 @@ from collections.abc import Sequence as Seq
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kvpilot.engine.branches import fork_branches
 from kvpilot.engine.clock import Clock, WallClock
 from kvpilot.engine.config import EngineConfig, check_honoured
 from kvpilot.engine.executor import Executor, TierTransport
@@ -35,7 +36,7 @@ from kvpilot.engine.session import Session, SessionTable
 from kvpilot.engine.snapshot import EngineSnapshot, take_snapshot
 from kvpilot.engine.stats import EngineStats
 from kvpilot.errors import InvalidRequest
-from kvpilot.memory import KVConfig, KVManager
+from kvpilot.memory import KVConfig, KVManager, Tier
 from kvpilot.policy.breakeven import PauseDecision
 
 if TYPE_CHECKING:
@@ -77,9 +78,12 @@ class Engine:
                 block_size=executor.block_size,
                 num_device_blocks=executor.num_blocks,
                 num_host_blocks=host_blocks,
+                model_fingerprint=executor.fingerprint.digest,
             ),
             clock=self.clock.now,
         )
+        if config.runner.poison_freed_blocks:
+            self._poison_freed_blocks(executor, transport)
         self.stats = EngineStats()
         self.offload = OffloadManager(
             self.kv,
@@ -107,6 +111,13 @@ class Engine:
 
     # -- construction -----------------------------------------------------------------
 
+    def _poison_freed_blocks(self, executor: Executor, transport: TierTransport | None) -> None:
+        """Every block a pool frees is overwritten with NaN by whoever holds its KV."""
+        self.kv.device.on_free = executor.poison_blocks
+        host = self.kv.pools.get(Tier.HOST)
+        if host is not None and transport is not None:
+            host.on_free = transport.poison_host
+
     @classmethod
     def from_pretrained(
         cls, model: str | Path = "tiny", *, clock: Clock | None = None, **options: Any
@@ -120,8 +131,15 @@ class Engine:
         from kvpilot.model.build import build_engine
 
         cache_dir = options.pop("cache_dir", None)
+        load_progress = options.pop("load_progress", None)  # a model.loader.LoadProgress
         config = options.pop("config", None) or EngineConfig()
-        return build_engine(model, config.replace(**options), clock=clock, cache_dir=cache_dir)
+        return build_engine(
+            model,
+            config.replace(**options),
+            clock=clock,
+            cache_dir=cache_dir,
+            load_progress=load_progress,
+        )
 
     # -- requests ---------------------------------------------------------------------
 
@@ -242,35 +260,16 @@ class Engine:
 
     def _fan_out(self, parent: Sequence, tokens: list[int], now: float) -> None:
         """n > 1: the prompt was prefilled once; fork it so each branch decodes on its own."""
-        request = parent.request
-        request.forked = True
-        copies: list[tuple[int, int]] = []
-        children: list[Sequence] = []
-        # Speculative branches are gated first under pressure: past tau_high they wait in
-        # the queue (recomputing only their tail from the cache) instead of running now.
-        gated = self.scheduler.held_usage() >= self.config.scheduler.tau_high
-        for index in range(1, len(tokens)):
-            fork = self.kv.fork_or_defer(parent.traj, defer=gated)
-            if fork.deferred:
-                self.stats.gated_forks += 1
-            if fork.copy is not None:
-                copies.append(fork.copy)
-            child = Sequence(
-                next(self._seq_ids), request, fork.child, index=index, seed=request.seed + index
-            )
-            child.prefix_reused = fork.child.num_computed_tokens > 0
-            request.seqs.append(child)
-            children.append(child)
-            self.stats.forks += 1
-        if copies:
-            self.executor.copy_blocks(copies)
-            self.stats.fork_copied_blocks += len(copies)
-        for child in children:
-            if child.traj.num_computed_tokens:
-                child.status = SeqStatus.RUNNING
-                self.scheduler.running.append(child)
-            else:
-                self.scheduler.add(child)
+        children = fork_branches(
+            parent,
+            len(tokens) - 1,
+            self.kv,
+            self.scheduler,
+            self.executor,
+            self.stats,
+            gated=self.scheduler.held_usage() >= self.config.scheduler.tau_high,
+            seq_ids=self._seq_ids,
+        )
         self._append_token(parent, tokens[0], now)
         for child, token in zip(children, tokens[1:], strict=True):
             self._append_token(child, token, now)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from kvpilot.engine.sampling import SamplingParams
+from kvpilot.memory.hashing import ModelFingerprint
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,10 +50,16 @@ class StepOutput:
 
 
 class Executor(Protocol):
-    """Runs batches against a paged KV pool of ``num_blocks`` blocks of ``block_size``."""
+    """Runs batches against a paged KV pool of ``num_blocks`` blocks of ``block_size``.
+
+    ``fingerprint`` names the model and its KV layout (weights identity, KV dtype, block size,
+    config): the seed of every chained block hash, so cache keys that outlive the process
+    (disk tier, session store, a fleet's directory) never mix models.
+    """
 
     block_size: int
     num_blocks: int
+    fingerprint: ModelFingerprint
 
     def execute(self, works: Sequence[SeqWork]) -> StepOutput:
         """Compute KV for every work's tokens; sample where asked."""
@@ -60,6 +67,11 @@ class Executor(Protocol):
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Copy whole device blocks src -> dst (copy-on-write of a fork's partial tail)."""
+        ...
+
+    def poison_blocks(self, blocks: Sequence[int]) -> None:
+        """Overwrite freed device blocks with garbage (NaN), so a stale read shows; a test aid
+        (``EngineConfig.poison_freed_blocks``). An executor without KV contents ignores it."""
         ...
 
 
@@ -99,4 +111,8 @@ class TierTransport(Protocol):
 
     def write_device(self, blocks: Sequence[int], data: Sequence[bytes]) -> Transfer:
         """Fill device blocks from bytes (read back from disk)."""
+        ...
+
+    def poison_host(self, blocks: Sequence[int]) -> None:
+        """Overwrite freed host blocks with garbage (NaN), like `Executor.poison_blocks`."""
         ...

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Collection
+from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kvpilot.engine.config import PauseConfig
@@ -180,7 +181,10 @@ class OffloadManager:
             why = "no disk tier is configured"
         else:
             return decision
-        reason = f"drop: {why}; {decision.reason}"
+        reason = (
+            f"Drop: the policy chose {action.label.lower()} but {why}, so the state is freed "
+            "now and recomputed on return."
+        )
         return dataclasses.replace(decision, action=PauseAction.DROP, reason=reason)
 
     def _apply(self, session: PausableSession, record: PauseRecord, nodes: list[RadixNode]) -> None:
@@ -300,7 +304,7 @@ class OffloadManager:
     def busy(self) -> bool:
         return self.mover.busy()
 
-    def poll(self, idle: Callable[[], list[PausableSession]]) -> None:
+    def poll(self, idle: Callable[[], Seq[PausableSession]]) -> None:
         """Finish transfers that are done, fire due timers, account idle memory-time."""
         now = self.now()
         if self.mover.transport is not None or self.records:
@@ -319,7 +323,7 @@ class OffloadManager:
                 record.state = PauseState.PREFETCHED
         self.timers.fire_due(now)
 
-    def reclaim(self, idle: list[PausableSession]) -> int:
+    def reclaim(self, idle: Seq[PausableSession]) -> int:
         """Memory pressure: demote the idle trajectory worth least per byte it holds.
 
         Value is nearness of return: the one expected back last goes first (never-paused
@@ -350,6 +354,16 @@ class OffloadManager:
     def next_event_at(self) -> float | None:
         """When the next pause timer (lease end, prefetch) is due, if any."""
         return self.timers.next_at()
+
+    def next_poll_at(self) -> float:
+        """With no copy in flight, the earliest clock time at which `poll` does anything (a
+        timer, an idle memory-time sample): polls before it change nothing (decode runs
+        skip them)."""
+        timer = self.next_event_at()
+        when = math.inf if timer is None else timer
+        if self.mover.transport is not None or self.records:
+            when = min(when, self._held_sample[0] + IDLE_SAMPLE_S)
+        return when
 
     def forget(self, session: PausableSession) -> None:
         self.timers.cancel(session.session_id)

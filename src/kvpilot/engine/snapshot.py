@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING
 
 from kvpilot.memory import Tier
 
+SESSION_STATES = ("running", "waiting", "paused", "idle")
+
 if TYPE_CHECKING:
     from kvpilot.engine.config import EngineConfig
     from kvpilot.engine.offload import OffloadManager
@@ -57,6 +59,7 @@ class EngineSnapshot:
     running: int = 0
     waiting: int = 0
     open_sessions: int = 0
+    sessions_by_state: Mapping[str, int] = field(default_factory=dict)  # SESSION_STATES
     resident_trajectories: int = 0  # open trajectories holding device KV
     steps: int = 0
     step_time_s: float = 0.0
@@ -72,6 +75,7 @@ class EngineSnapshot:
     # the memory core
     kv_usage: float = 0.0  # device U_KV: blocks allocated over the pool
     kv_held: float = 0.0  # not counting cached blocks that could be evicted now
+    tau_high: float = 0.0  # the admission ceiling on kv_held: new work waits above it
     prefix_queried_tokens: int = 0
     prefix_hit_tokens: int = 0
     evicted_blocks: int = 0
@@ -135,6 +139,7 @@ def take_snapshot(
         running=len(scheduler.running),
         waiting=len(scheduler.waiting),
         open_sessions=open_sessions,
+        sessions_by_state=session_state_counts(scheduler, offload, open_sessions),
         resident_trajectories=sum(1 for t in kv.trajectories.values() if t.block_table),
         steps=stats.steps,
         step_time_s=stats.step_time_s,
@@ -149,6 +154,7 @@ def take_snapshot(
         fork_copied_blocks=stats.fork_copied_blocks,
         kv_usage=kv.device.usage,
         kv_held=scheduler.held_usage(),
+        tau_high=config.scheduler.tau_high,
         prefix_queried_tokens=radix.stats.queried_tokens,
         prefix_hit_tokens=radix.stats.hit_tokens,
         evicted_blocks=radix.stats.evicted_blocks,
@@ -175,3 +181,23 @@ def take_snapshot(
         link_bw_bytes_s=mover.link_bw(),
         disk_bw_bytes_s=mover.disk_bw(),
     )
+
+
+def scheduled_sessions(scheduler: Scheduler) -> tuple[set[str], set[str]]:
+    """Sessions with a sequence running, and those with one waiting (and none running)."""
+    running = {s.request.session_id for s in scheduler.running if s.request.session_id}
+    waiting = {s.request.session_id for s in scheduler.waiting if s.request.session_id}
+    return running, waiting - running
+
+
+def session_state_counts(
+    scheduler: Scheduler, offload: OffloadManager, open_sessions: int
+) -> dict[str, int]:
+    """Open sessions per state (`SESSION_STATES`): running (a turn is computed), waiting
+    (submitted, waiting for admission or for its KV), paused (off at a tool, with a standing
+    pause decision), idle. Costs the queues and the pauses, not every open session."""
+    running, waiting = scheduled_sessions(scheduler)
+    # A pause record lasts until the session's next turn is submitted or it closes.
+    counts = {"running": len(running), "waiting": len(waiting), "paused": len(offload.records)}
+    counts["idle"] = max(0, open_sessions - sum(counts.values()))
+    return counts

@@ -6,7 +6,7 @@ Pure Python + NumPy (no torch), so the simulator and the engine share it.
 from __future__ import annotations
 
 from kvpilot.memory.block_pool import BlockPool
-from kvpilot.memory.hashing import block_hash, chain_hashes, root_hash
+from kvpilot.memory.hashing import ModelFingerprint, block_hash, chain_hashes, root_hash
 from kvpilot.memory.manager import KVConfig, KVManager
 from kvpilot.memory.radix import (
     InsertResult,
@@ -27,6 +27,7 @@ __all__ = [
     "KVConfig",
     "KVManager",
     "MatchResult",
+    "ModelFingerprint",
     "PeekResult",
     "RadixCache",
     "RadixNode",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -15,9 +15,12 @@ class BlockPool:
 
     Invariant: a block is on the free list exactly when its refcount is 0. The free list is
     LIFO so a just-freed block (still warm in caches, still mapped) is reused first.
+
+    ``on_free``, when set, is called with the blocks each release put back on the free list
+    (the engine's hook that poisons freed KV when ``poison_freed_blocks`` is on).
     """
 
-    __slots__ = ("_free", "_refcounts", "num_blocks", "tier")
+    __slots__ = ("_free", "_refcounts", "num_blocks", "on_free", "tier")
 
     def __init__(self, num_blocks: int, tier: Tier = Tier.DEVICE) -> None:
         if num_blocks < 0:
@@ -26,6 +29,7 @@ class BlockPool:
         self.num_blocks = num_blocks
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
         self._refcounts = np.zeros(num_blocks, dtype=np.int32)
+        self.on_free: Callable[[list[int]], None] | None = None
 
     @property
     def num_free(self) -> int:
@@ -89,6 +93,8 @@ class BlockPool:
         self._refcounts[block] = count
         if count == 0:
             self._free.append(block)
+            if self.on_free is not None:
+                self.on_free([block])
             return True
         return False
 
@@ -100,8 +106,10 @@ class BlockPool:
         self._check_all_in_use(idx, blocks)
         refs = self._refcounts
         refs[idx] -= 1
-        freed = idx[refs[idx] == 0]
-        self._free.extend(freed.tolist())
+        freed = idx[refs[idx] == 0].tolist()
+        self._free.extend(freed)
+        if freed and self.on_free is not None:
+            self.on_free(freed)
         return len(freed)
 
     def _check_all_in_use(self, idx: np.ndarray, blocks: Sequence[int]) -> None:

@@ -24,6 +24,7 @@ class KVConfig:
     num_device_blocks: int
     num_host_blocks: int = 0
     num_disk_blocks: int = 0
+    model_fingerprint: bytes = b""  # seeds the chained block hashes (memory.hashing)
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -52,10 +53,12 @@ class KVManager:
             tier: BlockPool(n, tier) for tier, n in sizes.items() if n > 0
         }
         self.device = self.pools[Tier.DEVICE]
-        self.radix = RadixCache(config.block_size, self.pools, clock)
+        self.radix = RadixCache(config.block_size, self.pools, clock, config.model_fingerprint)
         self.trajectories: dict[int, Trajectory] = {}
         # Pins and move locks of copies in flight between tiers (counted by check_invariants).
         self.residency = TierResidency(self.radix, self.pools)
+        # Radix locks held by prompt-cache breakpoints for their TTL: counted likewise.
+        self.prefix_pins: Counter[RadixNode] = Counter()
         self._ids = itertools.count()
 
     def open_trajectory(self, salt: str | None = None, tokens: Iterable[int] = ()) -> Trajectory:
@@ -113,10 +116,10 @@ class KVManager:
             tier: np.zeros(pool.num_blocks, dtype=np.int64) for tier, pool in self.pools.items()
         }
         indexed_device: set[int] = set()
-        for node in self.radix.iter_nodes():
-            for tier, ids in node.blocks.items():
+        for indexed in self.radix.iter_nodes():
+            for tier, ids in indexed.blocks.items():
                 expected[tier][ids] += 1
-            indexed_device.update(node.blocks.get(Tier.DEVICE, ()))
+            indexed_device.update(indexed.blocks.get(Tier.DEVICE, ()))
         locks: Counter[RadixNode] = Counter()
         for traj_id, traj in self.trajectories.items():
             require(traj.traj_id == traj_id, f"trajectory {traj.traj_id} registered as {traj_id}")
@@ -134,11 +137,11 @@ class KVManager:
                 locks[node] += 1
                 node = node.parent
         self.residency.check_invariants()
-        for bottom, n in self.residency.move_locks.items():
-            node = bottom
-            while node is not None:
-                locks[node] += n
-                node = node.parent
+        for bottom, n in (self.residency.move_locks + self.prefix_pins).items():
+            up: RadixNode | None = bottom
+            while up is not None:
+                locks[up] += n
+                up = up.parent
         for tier, b, n in self.residency.pinned():
             expected[tier][b] += n
         for tier, pool in self.pools.items():

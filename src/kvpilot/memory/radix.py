@@ -25,6 +25,7 @@ from kvpilot.memory.radix_node import (
     MatchResult,
     PeekResult,
     RadixNode,
+    RadixObserver,
     RadixStats,
     as_token_array,
 )
@@ -48,12 +49,14 @@ class RadixCache(RadixEviction):
         block_size: int,
         pools: Mapping[Tier, BlockPool],
         clock: Callable[[], float] | None = None,
+        model: bytes = b"",
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if Tier.DEVICE not in pools:
             raise ValueError("RadixCache needs a device pool")
         self.block_size = block_size
+        self.model = model  # the model fingerprint seeding every root's hash
         self.pools = dict(pools)
         self.stats = RadixStats()
         self._clock = clock if clock is not None else _counter_clock()
@@ -62,13 +65,23 @@ class RadixCache(RadixEviction):
         self._evictable = {tier: 0 for tier in Tier}
         self._queues = EvictionQueues()
         self._num_nodes = 0
+        # The one optional sink for KV events (None: no event is built, no hash is computed).
+        self.observer: RadixObserver | None = None
+
+    def set_observer(self, observer: RadixObserver | None) -> None:
+        """Attach (or detach) the event sink; every node's hashes are computed now, so that
+        removals can always be reported (a node created later computes them on creation)."""
+        if observer is not None:
+            for node in self.iter_nodes():
+                node.hashes  # noqa: B018 (computes and keeps them)
+        self.observer = observer
 
     # ---- queries -------------------------------------------------------------------------
 
     def root(self, salt: str | None = None) -> RadixNode:
         node = self._roots.get(salt)
         if node is None:
-            node = RadixNode(None, array("i"), {}, root_hash(salt), self._clock())
+            node = RadixNode(None, array("i"), {}, root_hash(salt, self.model), self._clock())
             self._roots[salt] = node
         return node
 
@@ -225,6 +238,8 @@ class RadixCache(RadixEviction):
                 self._attach_copy(child, Tier.DEVICE, own)
                 device = own
                 taken += k
+                if self.observer is not None:
+                    self.observer.committed(child.hashes)
             canonical.extend(device)
             child.last_access = now
             node = child
@@ -242,6 +257,8 @@ class RadixCache(RadixEviction):
             canonical.extend(own)
             taken += len(own)
             node = leaf
+            if self.observer is not None:
+                self.observer.committed(leaf.hashes)
         self.stats.inserted_blocks += taken
         return InsertResult(node, canonical, taken)
 
@@ -274,8 +291,13 @@ class RadixCache(RadixEviction):
         arr = as_token_array(tokens)
         own = list(blocks)
         self.pools[Tier.DEVICE].incref_many(own)
+        if self.observer is not None:
+            node.hashes  # noqa: B018 (an observed tree keeps every node's hashes)
         if node._hashes is not None:
-            node._hashes += chain_bytes(node._hashes[-HASH_BYTES:], int32_bytes(arr), bs)
+            new = chain_bytes(node._hashes[-HASH_BYTES:], int32_bytes(arr), bs)
+            node._hashes += new
+            if self.observer is not None:
+                self.observer.committed(new)
         node.tokens.extend(arr)
         device.extend(own)
         node.depth_tokens += len(arr)
@@ -307,41 +329,6 @@ class RadixCache(RadixEviction):
         self._num_nodes += 1
         return upper
 
-    # ---- locks ---------------------------------------------------------------------------
-
-    def lock(self, node: RadixNode) -> None:
-        if not node._alive:
-            raise ValueError("cannot lock a node that was evicted")
-        n: RadixNode | None = node
-        while n is not None:
-            if Tier.DEVICE not in n.blocks and not n.is_root:
-                raise ValueError(
-                    f"cannot lock: node at depth {n.depth_tokens} has no device copy; load it first"
-                )
-            n = n.parent
-        n = node
-        while n is not None:
-            if n.lock_count == 0 and not n.is_root:
-                for tier, ids in n.blocks.items():
-                    self._evictable[tier] -= len(ids)
-            n.lock_count += 1
-            n = n.parent
-
-    def unlock(self, node: RadixNode) -> None:
-        n: RadixNode | None = node
-        while n is not None:
-            if n.lock_count <= 0:
-                raise ValueError(f"unlock of node at depth {n.depth_tokens} that is not locked")
-            n = n.parent
-        n = node
-        while n is not None:
-            n.lock_count -= 1
-            if n.lock_count == 0 and not n.is_root:
-                for tier, ids in n.blocks.items():
-                    self._evictable[tier] += len(ids)
-                    self._push(n, tier)
-            n = n.parent
-
     # ---- tiers ---------------------------------------------------------------------------
 
     def add_copy(self, node: RadixNode, tier: Tier, blocks: list[int]) -> None:
@@ -356,6 +343,8 @@ class RadixCache(RadixEviction):
                 f"a copy of this node needs {node.num_blocks} blocks, got {len(blocks)}"
             )
         self._attach_copy(node, tier, list(blocks))
+        if self.observer is not None:
+            self.observer.moved(tier, node.hashes)
 
     def _attach_copy(self, node: RadixNode, tier: Tier, blocks: list[int]) -> None:
         node.blocks[tier] = blocks
@@ -375,7 +364,11 @@ class RadixCache(RadixEviction):
     # ---- integrity -----------------------------------------------------------------------
 
     def check_invariants(self) -> None:
-        check_radix(self.roots(), self.block_size, self.pools, self.num_nodes, self._counts())
-
-    def _counts(self) -> dict[str, dict[Tier, int]]:
-        return {"cached": dict(self._cached), "evictable": dict(self._evictable)}
+        check_radix(
+            self.roots(),
+            self.block_size,
+            self.pools,
+            self.model,
+            self.num_nodes,
+            {"cached": self._cached, "evictable": self._evictable},
+        )

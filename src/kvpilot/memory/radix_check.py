@@ -16,12 +16,13 @@ def check_radix(
     roots: Mapping[str | None, RadixNode],
     block_size: int,
     pools: Mapping[Tier, BlockPool],
+    model: bytes,
     num_nodes_kept: int,
     counts: Mapping[str, Mapping[Tier, int]],
 ) -> None:
     """AssertionError on the first thing in the tree under ``roots`` that does not add up
-    with the counters a `RadixCache` keeps (``num_nodes_kept``, ``counts["cached"]`` and
-    ``counts["evictable"]`` blocks per tier)."""
+    with the fingerprint ``model`` seeding its roots and the counters a `RadixCache` keeps
+    (``num_nodes_kept``, ``counts["cached"]`` and ``counts["evictable"]`` blocks per tier)."""
     bs = block_size
     cached = dict.fromkeys(Tier, 0)
     evictable = dict.fromkeys(Tier, 0)
@@ -30,7 +31,7 @@ def check_radix(
     for salt, root in roots.items():
         require(root.is_root and root.parent is None, f"root of salt {salt!r} is malformed")
         require(not root.blocks and not root.hashes, "a root must hold no blocks")
-        require(root.last_hash() == root_hash(salt), f"root seed of salt {salt!r} is wrong")
+        require(root.last_hash() == root_hash(salt, model), f"root seed of salt {salt!r} is wrong")
         stack = [root]
         while stack:
             node = stack.pop()

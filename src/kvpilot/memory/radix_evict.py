@@ -1,4 +1,5 @@
-"""Eviction from the radix cache: leaf-first LRU per tier, and releasing a node's copies.
+"""Eviction from the radix cache: locks that shield a path from it, leaf-first LRU per tier,
+and releasing a node's copies.
 
 The order: one lazy min-heap per tier, oldest access first.
 A node is a *candidate* in a tier when it holds a copy there, no trajectory or move locks
@@ -16,7 +17,7 @@ from abc import ABC, abstractmethod
 
 from kvpilot.memory.block_pool import BlockPool
 from kvpilot.memory.hashing import HASH_BYTES
-from kvpilot.memory.radix_node import RadixNode, RadixStats
+from kvpilot.memory.radix_node import RadixNode, RadixObserver, RadixStats
 from kvpilot.memory.tiers import Tier
 
 TIER_BIT = {Tier.DEVICE: 1, Tier.HOST: 2, Tier.DISK: 4}
@@ -88,6 +89,7 @@ class RadixEviction(ABC):
     block_size: int
     pools: dict[Tier, BlockPool]
     stats: RadixStats
+    observer: RadixObserver | None
     _cached: dict[Tier, int]
     _evictable: dict[Tier, int]
     _num_nodes: int
@@ -96,6 +98,43 @@ class RadixEviction(ABC):
     @abstractmethod
     def _split(self, node: RadixNode, k: int) -> RadixNode:
         """Cut ``node``'s edge after ``k`` blocks; the new upper node is returned."""
+
+    # ---- locks: a locked node (and its path to the root) is never evicted ---------------
+
+    def lock(self, node: RadixNode) -> None:
+        if not node._alive:
+            raise ValueError("cannot lock a node that was evicted")
+        n: RadixNode | None = node
+        while n is not None:
+            if Tier.DEVICE not in n.blocks and not n.is_root:
+                raise ValueError(
+                    f"cannot lock: node at depth {n.depth_tokens} has no device copy; load it first"
+                )
+            n = n.parent
+        n = node
+        while n is not None:
+            if n.lock_count == 0 and not n.is_root:
+                for tier, ids in n.blocks.items():
+                    self._evictable[tier] -= len(ids)
+            n.lock_count += 1
+            n = n.parent
+
+    def unlock(self, node: RadixNode) -> None:
+        n: RadixNode | None = node
+        while n is not None:
+            if n.lock_count <= 0:
+                raise ValueError(f"unlock of node at depth {n.depth_tokens} that is not locked")
+            n = n.parent
+        n = node
+        while n is not None:
+            n.lock_count -= 1
+            if n.lock_count == 0 and not n.is_root:
+                for tier, ids in n.blocks.items():
+                    self._evictable[tier] += len(ids)
+                    self._push(n, tier)
+            n = n.parent
+
+    # ---- eviction ----------------------------------------------------------------------
 
     def evict(self, num_blocks: int, tier: Tier = Tier.DEVICE) -> int:
         """Leaf-first LRU; returns ``tier`` blocks freed (fewer when nothing more is evictable).
@@ -123,6 +162,8 @@ class RadixEviction(ABC):
         """Evict the last ``n`` blocks of a childless single-copy leaf in place (no edge copy)."""
         bs = self.block_size
         ids = node.blocks[tier]
+        if self.observer is not None:
+            self.observer.evicted(tier, node.hashes[-n * HASH_BYTES :])
         tail = ids[-n:]
         del ids[-n:]
         del node.tokens[-n * bs :]
@@ -136,6 +177,8 @@ class RadixEviction(ABC):
 
     def _release(self, node: RadixNode, tier: Tier) -> int:
         """Drop ``node``'s copy in ``tier``; returns blocks that went back to the free list."""
+        if self.observer is not None:
+            self.observer.evicted(tier, node.hashes)
         ids = node.blocks.pop(tier)
         self._cached[tier] -= len(ids)
         if node.lock_count == 0:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -66,7 +67,7 @@ class RadixNode:
         self._hashes = hashes
         self.lock_count = lock_count
         self.last_access = last_access
-        self.depth_tokens = len(tokens) + (parent.depth_tokens if parent is not None else 0)
+        self.depth_tokens: int = len(tokens) + (parent.depth_tokens if parent else 0)
         self._alive = True
         self._queued = 0
 
@@ -184,3 +185,14 @@ class RadixStats:
     def hit_rate(self) -> float:
         """Equation 2: matched prompt tokens over prompt tokens."""
         return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
+
+
+class RadixObserver(Protocol):
+    """Told of every change to which blocks (by chained hash, 16 bytes each, concatenated)
+    the cache indexes in which tier; the fleet's KV event log implements it."""
+
+    def committed(self, hashes: bytes) -> None: ...
+
+    def moved(self, tier: Tier, hashes: bytes) -> None: ...
+
+    def evicted(self, tier: Tier, hashes: bytes) -> None: ...

@@ -71,6 +71,9 @@ class Trajectory:
         self.num_computed_tokens = 0
         self.prompt_tokens_total = 0
         self.hit_tokens_total = 0
+        # Reuse at most this many cached tokens (prompt caching with breakpoints: a prefix
+        # is read only where a breakpoint pinned it). None: the longest cached prefix.
+        self.reuse_limit: int | None = None
         self.closed = False
         self.append_tokens(tokens)
         self.locked_node: RadixNode = self._radix.root(salt)
@@ -149,7 +152,8 @@ class Trajectory:
         self._require_open()
         self._sync()
         n = len(self.tokens)
-        match = self._radix.match(self._buf[: max(n - 1, 0)], self.salt, record=False)
+        end = max(n - 1, 0) if self.reuse_limit is None else min(max(n - 1, 0), self.reuse_limit)
+        match = self._radix.match(self._buf[:end], self.salt, record=False)
         if match.num_tokens > self.num_computed_tokens:
             shared = self.locked_node.depth_tokens // self._bs
             new_blocks = match.blocks(Tier.DEVICE)

@@ -7,11 +7,15 @@ batched attention call; longer chunks ("prefills") are attended one by one::
     flat tokens   | d0 | p0 p0 p0 p0 | d1 | p1 p1 |      works in the order given
     positions     | 37 | 16 17 18 19 | 5  |  0  1 |      start_pos .. start_pos + n - 1
     slot_mapping  | block_table[p // B] * B + p % B
+
+Per work, the paged backends read ``query_start``/``query_len``/``context_len`` and one
+padded ``block_tables`` row (context_len = start_pos + query_len: the keys it sees, its own
+included). Every index tensor of a step arrives on the device in one transfer (`upload`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -47,6 +51,13 @@ class StepBatch:
     decode_positions: torch.Tensor  # [n_dec]
     decode_block_tables: torch.Tensor  # [n_dec, max_blocks], padded with block 0
     prefills: tuple[PrefillChunk, ...]
+    query_start: torch.Tensor  # [n_works]: flat index of each work's first token
+    query_len: torch.Tensor  # [n_works]
+    context_len: torch.Tensor  # [n_works]: start_pos + query_len
+    block_tables: torch.Tensor  # [n_works, max_blocks], padded with block 0
+    max_query_len: int
+    max_context_len: int
+    logits_index: torch.Tensor  # [n_sampled]: flat rows whose logits are wanted
 
     @property
     def num_decodes(self) -> int:
@@ -62,7 +73,13 @@ class StepBatch:
         vocab_size: int,
         max_model_len: int,
         device: torch.device,
+        wanted: Sequence[int] | None = None,
+        uploader: Callable[[list[np.ndarray]], list[torch.Tensor]] | None = None,
     ) -> StepBatch:
+        """``wanted``: indices of the works whose last-token logits are needed (default all).
+
+        ``uploader`` moves the index arrays to the device in one transfer (default `upload`).
+        """
         # Hot path: plain Python per work (a step is mostly one-token decodes), numpy after.
         flat_ids: list[int] = []
         positions: list[int] = []
@@ -72,6 +89,10 @@ class StepBatch:
         dec_pos: list[int] = []
         dec_tables: list[Sequence[int]] = []
         prefill_specs: list[tuple[int, int, int, np.ndarray]] = []
+        q_starts: list[int] = []
+        q_lens: list[int] = []
+        ctx_lens: list[int] = []
+        tables: list[Sequence[int]] = []
         for work in works:
             n = len(work.token_ids)
             start = work.start_pos
@@ -90,6 +111,10 @@ class StepBatch:
                     f"seq {work.seq_id}: block table has {len(work.block_table)} blocks, "
                     f"positions up to {end - 1} need {need_blocks} (block_size {block_size})"
                 )
+            q_starts.append(len(positions))
+            q_lens.append(n)
+            ctx_lens.append(end)
+            tables.append(table)
             flat_ids.extend(work.token_ids)
             if n == 1:
                 dec_index.append(len(positions))
@@ -113,16 +138,13 @@ class StepBatch:
             raise InvalidRequest(
                 f"token ids must lie in [0, {vocab_size}), got {ids_arr.min()}..{ids_arr.max()}"
             )
-        max_dec_blocks = max((len(t) for t in dec_tables), default=0)
-        dec_table_arr = np.zeros((len(dec_tables), max_dec_blocks), dtype=np.int64)
-        for row, table in enumerate(dec_tables):
-            dec_table_arr[row, : len(table)] = table
+        dec_table_arr = _padded(dec_tables)
+        table_arr = _padded(tables)
         slots_arr = np.asarray(slots, dtype=np.int64)
-        for blocks in (dec_table_arr, *(spec[3] for spec in prefill_specs)):
-            if blocks.size and (blocks.min() < 0 or blocks.max() >= num_blocks):
-                raise InvalidRequest(
-                    f"block ids must lie in [0, {num_blocks}), got {blocks.min()}..{blocks.max()}"
-                )
+        if table_arr.size and (table_arr.min() < 0 or table_arr.max() >= num_blocks):
+            raise InvalidRequest(
+                f"block ids must lie in [0, {num_blocks}), got {table_arr.min()}..{table_arr.max()}"
+            )
 
         host = [
             ids_arr,
@@ -132,13 +154,18 @@ class StepBatch:
             np.asarray(dec_index, dtype=np.int64),
             np.asarray(dec_pos, dtype=np.int64),
             dec_table_arr.reshape(-1),
+            np.asarray(q_starts, dtype=np.int64),
+            np.asarray(q_lens, dtype=np.int64),
+            np.asarray(ctx_lens, dtype=np.int64),
+            table_arr.reshape(-1),
+            np.asarray(last_index if wanted is None else [last_index[i] for i in wanted]),
             *(spec[3] for spec in prefill_specs),
         ]
-        on_device = _upload(host, device)
+        on_device = uploader(host) if uploader is not None else upload(host, device)
         all_decodes = len(dec_index) == offset
         prefills = tuple(
             PrefillChunk(token_start=s[0], num_tokens=s[1], start_pos=s[2], block_ids=blocks)
-            for s, blocks in zip(prefill_specs, on_device[7:], strict=True)
+            for s, blocks in zip(prefill_specs, on_device[12:], strict=True)
         )
         return cls(
             num_tokens=offset,
@@ -149,13 +176,36 @@ class StepBatch:
             last_token_index=on_device[3],
             decode_token_index=None if all_decodes else on_device[4],
             decode_positions=on_device[5],
-            decode_block_tables=on_device[6].view(len(dec_tables), max_dec_blocks),
+            decode_block_tables=on_device[6].view(dec_table_arr.shape),
             prefills=prefills,
+            query_start=on_device[7],
+            query_len=on_device[8],
+            context_len=on_device[9],
+            block_tables=on_device[10].view(table_arr.shape),
+            max_query_len=max(q_lens),
+            max_context_len=max(ctx_lens),
+            logits_index=on_device[11],
         )
 
 
-def _upload(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
-    """Copy int64 arrays to the device in one transfer, returned as views of one buffer."""
+def _padded(tables: Sequence[Sequence[int]]) -> np.ndarray:
+    width = max((len(t) for t in tables), default=0)
+    out = np.zeros((len(tables), width), dtype=np.int64)
+    for row, table in enumerate(tables):
+        out[row, : len(table)] = table
+    return out
+
+
+def upload(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
+    """Copy int64 arrays to the device in one transfer, returned as views of one buffer.
+
+    On CUDA the packed array is staged in pinned memory and copied without blocking the
+    host (the caching host allocator keeps the staging buffer alive until the copy is done).
+    """
     sizes = [a.size for a in arrays]
-    packed = torch.from_numpy(np.concatenate(arrays)).to(device)
+    packed = torch.from_numpy(np.concatenate(arrays).astype(np.int64, copy=False))
+    if device.type == "cuda":
+        packed = packed.pin_memory().to(device, non_blocking=True)
+    else:
+        packed = packed.to(device)
     return list(torch.split(packed, sizes))

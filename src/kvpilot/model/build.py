@@ -7,13 +7,15 @@ The composition root of the PyTorch engine, as `kvpilot.sim.build` is the simula
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvpilot.engine.clock import Clock
 from kvpilot.engine.config import DEFAULT_BLOCK_SIZE, EngineConfig
 from kvpilot.engine.engine import Engine
 from kvpilot.model.runner import ModelRunner
 
-DEFAULT_KV_MEMORY_BYTES = 1 << 30
+if TYPE_CHECKING:
+    from kvpilot.model.loader import LoadProgress
 
 
 def build_engine(
@@ -22,25 +24,27 @@ def build_engine(
     *,
     clock: Clock | None = None,
     cache_dir: Path | None = None,
+    load_progress: LoadProgress | None = None,
 ) -> Engine:
     """An engine on the checkpoint folder ``model`` (or the built-in ``tiny``).
 
     Every `RunnerConfig` field is honoured: the pool is ``kv_blocks`` blocks, or as many as
-    ``kv_memory_bytes`` holds (default 1 GiB); the host tier is ``host_kv_blocks`` blocks, or
+    ``kv_memory_bytes`` holds (neither: sized from ``gpu_memory_utilization`` on CUDA, see
+    `kvpilot.model.memory_budget`); the host tier is ``host_kv_blocks`` blocks, or
     as many as ``host_memory_bytes`` holds; the disk tier lives in ``disk_dir``.
     """
     config = config or EngineConfig()
     rc = config.runner
-    kv_memory = rc.kv_memory_bytes
-    if rc.kv_blocks is None and kv_memory is None:
-        kv_memory = DEFAULT_KV_MEMORY_BYTES
     given = {"dtype": rc.dtype, "device": rc.device, "attention": rc.attention}
     runner = ModelRunner(
         model,
         num_blocks=rc.kv_blocks,
-        kv_memory_bytes=kv_memory,
+        kv_memory_bytes=rc.kv_memory_bytes,
         block_size=rc.block_size or DEFAULT_BLOCK_SIZE,
+        gpu_memory_utilization=rc.gpu_memory_utilization,
+        cuda_graphs=rc.cuda_graphs,
         cache_dir=cache_dir,
+        progress=load_progress,
         **{k: v for k, v in given.items() if v is not None},
     )
     tiers = rc.tiers
@@ -56,8 +60,9 @@ def build_engine(
         from kvpilot.store import DiskBlockStore, SessionStore
 
         folder = Path(tiers.disk_dir)
-        disk = DiskBlockStore(folder, tiers.disk_slots, transport.block_bytes)
-        sessions = SessionStore(folder)
+        model_id = runner.fingerprint
+        disk = DiskBlockStore(folder, tiers.disk_slots, transport.block_bytes, model=model_id)
+        sessions = SessionStore(folder, model=model_id)
     try:
         return Engine(
             runner,

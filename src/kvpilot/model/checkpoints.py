@@ -2,11 +2,17 @@
 
 Weights are redrawn from a seeded torch generator, independent of transformers' init code:
 norms get weights near 1 and biases are non-zero (so those paths are exercised), linear
-layers N(0, 1/fan_in), embeddings and head large enough that logits have clear margins.
+layers N(0, gain²/fan_in). The gains make every output depend on the whole context (within
+Mistral's sliding window): attention writes 3x more into the residual stream than a plain
+layer and its scores are 1.5x sharper, and the head has clear margins. Qwen2 ties its head to
+the embeddings, so its embeddings are small: a residual stream dominated by the input
+embedding would make a model that repeats its last token whatever the context, on which no
+cache test could fail. `tests/test_sensitivity.py` pins the property for every factory.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -49,8 +55,36 @@ _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
     },
     "qwen2": {"rope_theta": 1000000.0, "tie_word_embeddings": True},
     "qwen3": {"head_dim": 32, "tie_word_embeddings": False},
-    "mistral": {"sliding_window": 8, "tie_word_embeddings": False},
+    # The window covers a 48-token prompt (the sensitivity tests'), not the longer contexts
+    # of the engine tests, where it masks keys.
+    "mistral": {"sliding_window": 48, "tie_word_embeddings": False},
 }
+
+
+@dataclass(frozen=True, slots=True)
+class _Gains:
+    """Embedding and head: standard deviations; the others: gains over N(0, 1/fan_in)."""
+
+    embedding: float = 1.0
+    head: float = 1.0
+    attention_out: float = 3.0
+    query_key: float = 1.5
+
+
+_GAINS: dict[str, _Gains] = {
+    "llama": _Gains(),
+    "qwen2": _Gains(embedding=0.2, attention_out=4.0),  # tied head: small embeddings
+    "qwen3": _Gains(),
+    "mistral": _Gains(),
+}
+
+
+def _gain(name: str, gains: _Gains) -> float:
+    if ".o_proj." in name:
+        return gains.attention_out
+    if ".q_proj." in name or ".k_proj." in name:
+        return gains.query_key
+    return 1.0
 
 
 def _classes(arch: str) -> tuple[type, type]:
@@ -78,6 +112,7 @@ def make_checkpoint(
     config = config_cls(**{**_BASE, **_ARCH_DEFAULTS[arch], **overrides})
     model = model_cls(config).to(torch.float32)
     generator = torch.Generator().manual_seed(seed)
+    gains = _GAINS[arch]
     with torch.no_grad():
         for name, param in sorted(model.named_parameters()):
             noise = torch.randn(param.shape, generator=generator, dtype=torch.float32)
@@ -86,11 +121,11 @@ def make_checkpoint(
             elif name.endswith(".bias"):
                 param.copy_(0.1 * noise)
             elif "embed_tokens" in name:
-                param.copy_(noise)
+                param.copy_(gains.embedding * noise)
             elif name == "lm_head.weight":
-                param.copy_(0.5 * noise)
+                param.copy_(gains.head * noise)
             else:
-                param.copy_(noise * param.shape[-1] ** -0.5)
+                param.copy_(_gain(name, gains) * noise * param.shape[-1] ** -0.5)
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     kwargs: dict[str, Any] = {}

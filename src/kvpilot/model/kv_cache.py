@@ -86,3 +86,23 @@ class KVCache:
         src = self._block_index([src for src, _ in pairs])
         dst = self._block_index(dst_ids)
         self.data[:, :, dst] = self.data[:, :, src]
+
+    def poison(self, block_ids: Sequence[int]) -> None:
+        """Overwrite whole blocks with NaN (a test aid: a stale read of a freed block shows)."""
+        if block_ids:
+            poison_blocks(self.data, self._block_index(block_ids))
+
+
+POISON_INT_PATTERN = 0x5A  # each byte of an integer-typed poisoned block (there is no NaN)
+
+
+def poison_blocks(data: torch.Tensor, index: torch.Tensor) -> None:
+    """Blocks ``index`` (dim 2) of a KV pool tensor become NaN, or a fixed garbage pattern for
+    integer dtypes."""
+    if data.dtype.is_floating_point:
+        data.index_fill_(2, index, float("nan"))
+        return
+    pattern = int.from_bytes(
+        bytes([POISON_INT_PATTERN]) * data.element_size(), "little", signed=True
+    )
+    data.index_fill_(2, index, pattern)

@@ -9,7 +9,7 @@ are fused into one matmul each at load time.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -19,14 +19,8 @@ from kvpilot.model.attention import AttentionBackend
 from kvpilot.model.batch import StepBatch
 from kvpilot.model.config import ModelConfig
 from kvpilot.model.kv_cache import KVCache
-from kvpilot.model.rope import RopeTable, apply_rope
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim; ``weight`` is [d] or broadcastable per row (q/k heads)."""
-    if weight.dim() == 1:
-        return F.rms_norm(x, (x.shape[-1],), weight, eps)
-    return F.rms_norm(x, (x.shape[-1],), None, eps) * weight
+from kvpilot.model.layer_ops import LayerOps, rms_norm
+from kvpilot.model.rope import RopeTable
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,13 +45,18 @@ class LlamaModel:
         weights: Iterable[tuple[str, torch.Tensor]],
         device: torch.device,
         dtype: torch.dtype,
+        ops: LayerOps | None = None,
     ) -> None:
+        """``ops``: the layer ops this model will run with; they may repack linear weights."""
         self.config = config
+        ops = ops or LayerOps()
         store = _WeightStore(weights, device, dtype)
         self.embed = store.take(
             "model.embed_tokens.weight", (config.vocab_size, config.hidden_size)
         )
-        self.layers = tuple(_layer(store, config, i) for i in range(config.num_layers))
+        self.layers = tuple(
+            _packed(_layer(store, config, i), ops) for i in range(config.num_layers)
+        )
         self.final_norm = store.take("model.norm.weight", (config.hidden_size,))
         lm_head = store.take_optional("lm_head.weight", (config.vocab_size, config.hidden_size))
         if config.tie_word_embeddings or lm_head is None:
@@ -66,7 +65,8 @@ class LlamaModel:
                     "checkpoint has no 'lm_head.weight' and does not tie embeddings"
                 )
             lm_head = self.embed
-        self.lm_head = lm_head
+        self.lm_head = ops.prepare_linear(lm_head)
+        self.ops = ops
         self.windows = tuple(config.layer_window(i) for i in range(config.num_layers))
         self.rope = RopeTable(config, device, dtype, config.max_position_embeddings)
 
@@ -79,34 +79,33 @@ class LlamaModel:
         heads, kv_heads, head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         q_size, kv_size = heads * head_dim, kv_heads * head_dim
         eps = config.rms_norm_eps
+        ops = self.ops  # chosen with the attention backend at load time
         state = attention.prepare(batch, self.windows)
-        cos, sin = self.rope.lookup(batch.positions)
-        hidden = F.embedding(batch.input_ids, self.embed)
+        rope = ops.rope_state(self.rope, batch.positions)
+        residual = F.embedding(batch.input_ids, self.embed)
+        delta: torch.Tensor | None = None  # the last MLP's output, not yet added
         for index, layer in enumerate(self.layers):
-            residual = hidden
-            x = rms_norm(hidden, layer.input_norm, eps)
-            qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+            x, residual = ops.add_rms_norm(delta, residual, layer.input_norm, eps)
+            qkv = ops.linear(x, layer.qkv, layer.qkv_bias)
             # q and k heads side by side: one norm and one rotation for both.
             qk = qkv[:, : q_size + kv_size].view(n_tokens, heads + kv_heads, head_dim)
             v = qkv[:, q_size + kv_size :].view(n_tokens, kv_heads, head_dim)
             if layer.qk_norm is not None:
                 qk = rms_norm(qk, layer.qk_norm, eps)
-            qk = apply_rope(qk, cos, sin)
+            qk = ops.rope(qk, rope)
             attended = attention.forward(
                 index, qk[:, :heads], qk[:, heads:], v, cache, batch, state, self.windows[index]
             )
-            out = F.linear(attended.reshape(n_tokens, q_size), layer.o_proj, layer.o_bias)
-            hidden = residual + out
-            residual = hidden
-            x = rms_norm(hidden, layer.post_norm, eps)
-            gate, up = F.linear(x, layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)
-            hidden = residual + F.linear(F.silu(gate) * up, layer.down, layer.down_bias)
-        return hidden
+            out = ops.linear(attended.reshape(n_tokens, q_size), layer.o_proj, layer.o_bias)
+            x, residual = ops.add_rms_norm(out, residual, layer.post_norm, eps)
+            gate_up = ops.linear(x, layer.gate_up, layer.gate_up_bias)
+            delta = ops.linear(ops.silu_mul(gate_up), layer.down, layer.down_bias)
+        return residual if delta is None else residual + delta
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits [n, vocab] of the given rows of `forward`'s output."""
         normed = rms_norm(hidden, self.final_norm, self.config.rms_norm_eps)
-        return F.linear(normed, self.lm_head).float()
+        return self.ops.linear(normed, self.lm_head).float()
 
 
 class _WeightStore:
@@ -137,6 +136,17 @@ class _WeightStore:
 
     def take_if(self, present: bool, name: str, shape: tuple[int, ...]) -> torch.Tensor | None:
         return self.take(name, shape) if present else None
+
+
+def _packed(layer: LayerWeights, ops: LayerOps) -> LayerWeights:
+    """The layer with its linear weights in the form ``ops.linear`` takes."""
+    return replace(
+        layer,
+        qkv=ops.prepare_linear(layer.qkv),
+        o_proj=ops.prepare_linear(layer.o_proj),
+        gate_up=ops.prepare_linear(layer.gate_up),
+        down=ops.prepare_linear(layer.down),
+    )
 
 
 def _fused(parts: list[torch.Tensor | None]) -> torch.Tensor | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
@@ -50,14 +51,38 @@ def weight_files(folder: Path) -> list[Path]:
     return [folder / s for s in shards]
 
 
-def iter_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, CPU tensor) for every tensor of every safetensors file of the checkpoint."""
+class LoadProgress(Protocol):
+    """Told how loading a checkpoint goes (e.g. `kvpilot serve`'s start-up banner)."""
+
+    def step(self, what: str) -> None:
+        """A loading step starts: "tokenizer", "weights", "kv_pool"."""
+        ...
+
+    def weights(self, done_bytes: int, total_bytes: int) -> None:
+        """Weight bytes read so far, of the checkpoint's weight files' total."""
+        ...
+
+
+def iter_weights(
+    folder: Path, progress: LoadProgress | None = None, device: torch.device | str = "cpu"
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every tensor of every safetensors file, read straight onto ``device``."""
     from safetensors import SafetensorError, safe_open
 
-    for path in weight_files(folder):
+    target = str(torch.device(device))
+    files = weight_files(folder)
+    total = sum(path.stat().st_size for path in files)
+    done = 0
+    for path in files:
         try:
-            with safe_open(str(path), framework="pt", device="cpu") as handle:
+            with safe_open(str(path), framework="pt", device=target) as handle:
                 for name in handle.keys():  # noqa: SIM118 - safe_open handles are not mappings
-                    yield name, handle.get_tensor(name)
+                    tensor = handle.get_tensor(name)
+                    if progress is not None:
+                        done += tensor.nbytes
+                        progress.weights(min(done, total), total)
+                    yield name, tensor
         except (OSError, SafetensorError) as exc:
             raise ModelLoadError(f"cannot read weights from {path}: {exc}") from exc
+    if progress is not None:
+        progress.weights(total, total)

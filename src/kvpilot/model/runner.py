@@ -14,9 +14,16 @@ from kvpilot.errors import ConfigError
 from kvpilot.model.attention import make_attention_backend
 from kvpilot.model.batch import StepBatch
 from kvpilot.model.config import ModelConfig
+from kvpilot.model.cuda_graphs import DecodeGraphs
+from kvpilot.model.fingerprint import model_fingerprint
 from kvpilot.model.kv_cache import KVCache, kv_bytes_per_block, num_blocks_for_memory
 from kvpilot.model.llama import LlamaModel
-from kvpilot.model.loader import iter_weights, resolve_model_path
+from kvpilot.model.loader import LoadProgress, iter_weights, resolve_model_path
+from kvpilot.model.memory_budget import (
+    DEFAULT_CPU_KV_BYTES,
+    DEFAULT_GPU_MEMORY_UTILIZATION,
+    cuda_kv_budget_bytes,
+)
 from kvpilot.model.sampler import Sampler, SampleRow
 from kvpilot.model.tokenizer import load_tokenizer
 
@@ -28,14 +35,16 @@ DTYPES = {
     "float16": torch.float16,
     "fp16": torch.float16,
 }
-DEFAULT_CPU_KV_BYTES = 512 * 1024**2
-DEFAULT_CUDA_KV_FRACTION = 0.85
+MAX_GRAPH_BATCH = 128  # larger decode batches run eagerly
 
 
-def parse_dtype(name: str) -> torch.dtype:
+def parse_dtype(name: str, device: torch.device | None = None) -> torch.dtype:
+    """A dtype by name; ``auto`` is bfloat16 on CUDA and float32 on CPU."""
+    if name == "auto":
+        return torch.bfloat16 if device is not None and device.type == "cuda" else torch.float32
     dtype = DTYPES.get(name)
     if dtype is None:
-        raise ConfigError(f"unknown dtype {name!r}; use one of float32, bfloat16, float16")
+        raise ConfigError(f"unknown dtype {name!r}; use one of auto, float32, bfloat16, float16")
     return dtype
 
 
@@ -55,9 +64,12 @@ class ModelRunner:
     """Implements `kvpilot.engine.executor.Executor` for Llama-family checkpoints.
 
     The KV pool holds ``num_blocks`` blocks of ``block_size`` tokens; give either
-    ``num_blocks`` or ``kv_memory_bytes`` (default: 512 MiB on CPU, 85% of the free memory
-    on CUDA). ``max_model_len`` is the longest sequence that fits both the model's
-    positions and the pool.
+    ``num_blocks`` or ``kv_memory_bytes`` (default: 1 GiB on CPU; on CUDA what
+    ``gpu_memory_utilization`` of the device leaves after the weights, see
+    `kvpilot.model.memory_budget`). ``max_model_len`` is the longest sequence that fits both
+    the model's positions and the pool. ``dtype`` ``auto`` is bfloat16 on CUDA, float32 on
+    CPU. Weights load straight onto the device. On CUDA, decode-only steps replay CUDA
+    graphs captured per padded batch size (``cuda_graphs=False``: always eager).
     """
 
     def __init__(
@@ -67,31 +79,57 @@ class ModelRunner:
         num_blocks: int | None = None,
         kv_memory_bytes: int | None = None,
         block_size: int = 16,
-        dtype: str = "float32",
+        dtype: str = "auto",
         device: str = "cpu",
-        attention: str = "torch",
+        attention: str = "auto",
+        gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
+        cuda_graphs: bool = True,
         cache_dir: Path | None = None,
+        progress: LoadProgress | None = None,
     ) -> None:
         if num_blocks is not None and kv_memory_bytes is not None:
             raise ConfigError("give num_blocks or kv_memory_bytes, not both")
         if block_size < 1:
             raise ConfigError(f"block_size must be >= 1, got {block_size}")
-        self.dtype = parse_dtype(dtype)
         self.device = parse_device(device)
-        self.attention = make_attention_backend(attention)
+        self.dtype = parse_dtype(dtype, self.device)
         self.path = resolve_model_path(model, cache_dir)
         self.config = ModelConfig.from_folder(self.path)
+        self.attention = make_attention_backend(attention, self.device, self.dtype)
+        if progress is not None:
+            progress.step("tokenizer")
         self.tokenizer: Any = load_tokenizer(self.path)
-        self.model = LlamaModel(self.config, iter_weights(self.path), self.device, self.dtype)
+        if progress is not None:
+            progress.step("weights")
+        weights = iter_weights(self.path, progress, self.device)
+        self.model = LlamaModel(
+            self.config, weights, self.device, self.dtype, ops=self.attention.ops
+        )
+        if progress is not None:
+            progress.step("kv_pool")
         self.block_size = block_size
+        self.fingerprint = model_fingerprint(self.path, self.config, self.dtype, block_size)
         if num_blocks is None:
-            num_blocks = num_blocks_for_memory(
-                self.config, kv_memory_bytes or self._default_kv_bytes(), block_size, self.dtype
-            )
-        self.kv_cache = KVCache(self.config, num_blocks, block_size, self.dtype, self.device)
+            budget = kv_memory_bytes or self._default_kv_bytes(gpu_memory_utilization)
+            num_blocks = num_blocks_for_memory(self.config, budget, block_size, self.dtype)
+        graphs = cuda_graphs and self.device.type == "cuda"
+        # With graphs, one extra block (never handed to the engine) absorbs padded rows.
+        self.kv_cache = KVCache(
+            self.config, num_blocks + int(graphs), block_size, self.dtype, self.device
+        )
         self.num_blocks = num_blocks
         self.max_model_len = min(self.config.max_position_embeddings, num_blocks * block_size)
         self.model.rope.ensure(min(self.max_model_len, 4096))
+        self.decode_graphs: DecodeGraphs | None = None
+        if graphs:
+            self.decode_graphs = DecodeGraphs(
+                self.model,
+                self.kv_cache,
+                self.attention,
+                pad_block=num_blocks,
+                max_batch=MAX_GRAPH_BATCH,
+                max_model_len=self.max_model_len,
+            )
         self.eos_token_ids = self._eos_ids()
         self.sampler = Sampler()
 
@@ -109,10 +147,9 @@ class ModelRunner:
     def vocab_size(self) -> int:
         return self.config.vocab_size
 
-    def _default_kv_bytes(self) -> int:
+    def _default_kv_bytes(self, gpu_memory_utilization: float) -> int:
         if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            return int(free * DEFAULT_CUDA_KV_FRACTION)
+            return cuda_kv_budget_bytes(self.device, gpu_memory_utilization)
         return DEFAULT_CPU_KV_BYTES
 
     def _eos_ids(self) -> tuple[int, ...]:
@@ -130,7 +167,7 @@ class ModelRunner:
             ids.extend(v for v in values if isinstance(v, int) and not isinstance(v, bool))
         return tuple(dict.fromkeys(ids))
 
-    def _batch(self, works: Sequence[SeqWork]) -> StepBatch:
+    def _batch(self, works: Sequence[SeqWork], wanted: Sequence[int]) -> StepBatch:
         return StepBatch.build(
             works,
             block_size=self.block_size,
@@ -138,19 +175,22 @@ class ModelRunner:
             vocab_size=self.config.vocab_size,
             max_model_len=self.max_model_len,
             device=self.device,
+            wanted=wanted,
         )
 
     def _run(self, works: Sequence[SeqWork], wanted: Sequence[int]) -> torch.Tensor | None:
         """Compute KV for all works; fp32 last-position logits of the works at ``wanted``."""
-        batch = self._batch(works)
-        self.model.rope.ensure(max(w.start_pos + len(w.token_ids) for w in works))
+        if self.decode_graphs is not None and self.decode_graphs.handles(works):
+            logits = self.decode_graphs.run(works)
+            if len(wanted) == len(works):
+                return logits
+            return logits[torch.tensor(list(wanted), device=self.device)] if wanted else None
+        batch = self._batch(works, wanted)
+        self.model.rope.ensure(batch.max_context_len)
         hidden = self.model.forward(batch, self.kv_cache, self.attention)
         if not wanted:
             return None
-        rows = batch.last_token_index
-        if len(wanted) != len(works):
-            rows = rows.index_select(0, torch.tensor(list(wanted), device=self.device))
-        return self.model.logits(hidden.index_select(0, rows))
+        return self.model.logits(hidden.index_select(0, batch.logits_index))
 
     @torch.inference_mode()
     def compute_logits(self, works: Sequence[SeqWork]) -> dict[int, torch.Tensor]:
@@ -188,3 +228,7 @@ class ModelRunner:
     @torch.inference_mode()
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         self.kv_cache.copy_blocks(pairs)
+
+    @torch.inference_mode()
+    def poison_blocks(self, blocks: Sequence[int]) -> None:
+        self.kv_cache.poison(blocks)

@@ -12,9 +12,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kvpilot.engine.sampling import SamplingParams
+from kvpilot.model.batch import upload
 
 _MASK32 = 0xFFFFFFFF
 _MASK64 = (1 << 64) - 1
@@ -76,36 +78,60 @@ class Sampler:
         if all(greedy):
             return logits.argmax(dim=-1).tolist()
         device = logits.device
-        tokens = torch.empty(len(rows), dtype=torch.int64, device=device)
+        vocab = logits.shape[1]
         greedy_rows = [i for i, g in enumerate(greedy) if g]
         random_rows = [i for i, g in enumerate(greedy) if not g]
-        if greedy_rows:
-            index = torch.tensor(greedy_rows, device=device)
-            tokens[index] = logits[index].argmax(dim=-1)
         picked = [rows[i] for i in random_rows]
-        index = torch.tensor(random_rows, device=device)
-        tokens[index] = self._sample_random(logits[index], picked)
+        # Every per-row input in one host -> device transfer (floats as their int64 bits).
+        g_index, r_index, keys, top_k, temperature, top_p = upload(
+            [
+                np.asarray(greedy_rows, dtype=np.int64),
+                np.asarray(random_rows, dtype=np.int64),
+                np.asarray([row_key(r.seed, r.step) for r in picked], dtype=np.int64),
+                np.asarray(
+                    [r.params.top_k if 0 < r.params.top_k < vocab else vocab for r in picked],
+                    dtype=np.int64,
+                ),
+                np.asarray([r.params.temperature for r in picked], dtype=np.float64).view(np.int64),
+                np.asarray([r.params.top_p for r in picked], dtype=np.float64).view(np.int64),
+            ],
+            device,
+        )
+        tokens = torch.empty(len(rows), dtype=torch.int64, device=device)
+        if greedy_rows:
+            tokens[g_index] = logits[g_index].argmax(dim=-1)
+        filtered = any(0 < r.params.top_k < vocab or r.params.top_p < 1.0 for r in picked)
+        tokens[r_index] = self._sample_random(
+            logits[r_index],
+            keys,
+            temperature.view(torch.float64).float(),
+            top_k if filtered else None,
+            top_p.view(torch.float64).float(),
+        )
         return tokens.tolist()
 
     @staticmethod
-    def _sample_random(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
+    def _sample_random(
+        logits: torch.Tensor,
+        keys: torch.Tensor,
+        temperature: torch.Tensor,
+        top_k: torch.Tensor | None,
+        top_p: torch.Tensor,
+    ) -> torch.Tensor:
+        """``top_k`` None: no row filters (neither top-k nor top-p)."""
         device = logits.device
         vocab = logits.shape[1]
-        temperature = torch.tensor([r.params.temperature for r in rows], device=device)
         scaled = logits / temperature[:, None]
-        keys = torch.tensor([row_key(r.seed, r.step) for r in rows], device=device)
         noise = gumbel_noise(keys, vocab)
-        top_k = [r.params.top_k if 0 < r.params.top_k < vocab else vocab for r in rows]
-        top_p = [r.params.top_p for r in rows]
-        if all(k == vocab for k in top_k) and all(p >= 1.0 for p in top_p):
+        if top_k is None:
             return (scaled + noise).argmax(dim=-1)
         # Filter in sorted order; stable sort keeps the lowest token id first among ties.
         sorted_logits, order = scaled.sort(dim=-1, descending=True, stable=True)
         ranks = torch.arange(vocab, device=device)[None, :]
-        keep = ranks < torch.tensor(top_k, device=device)[:, None]
+        keep = ranks < top_k[:, None]
         probs = torch.softmax(sorted_logits.masked_fill(~keep, float("-inf")), dim=-1)
         mass_before = probs.cumsum(dim=-1) - probs
-        keep &= mass_before < torch.tensor(top_p, device=device)[:, None]
+        keep &= mass_before < top_p[:, None]
         keep[:, 0] = True
         scores = (sorted_logits + noise.gather(1, order)).masked_fill(~keep, float("-inf"))
         return order.gather(1, scores.argmax(dim=-1, keepdim=True)).squeeze(1)

@@ -1,10 +1,17 @@
 """The built-in ``tiny`` model: a small Llama checkpoint generated on first use, no download.
 
-Weights are deterministic random draws (numpy PCG64, fixed seed), written as a regular
-Hugging Face folder (config.json, model.safetensors, byte-level tokenizer with a chat
-template), so both kvpilot and transformers' `LlamaForCausalLM` load it. The folder is
-written to a temporary sibling and renamed into place, so a crash or a concurrent first use
-never leaves a half-written model behind.
+Weights are deterministic random draws (numpy PCG64, fixed seed), scaled so that every output
+depends on the whole context: attention writes 3x more into the residual stream than a plain
+N(0, 1/fan_in) layer would and its scores are 1.5x sharper, and the output head is untied
+from the embeddings with a 4x gain. (Tied embeddings with a residual stream dominated by the
+input embedding make a model that repeats its last token whatever came before it: one on
+which a wrong KV block cannot change the output, so no cache test could fail;
+`tests/test_sensitivity.py` pins the property.)
+
+The checkpoint is a regular Hugging Face folder (config.json, model.safetensors, byte-level
+tokenizer with a chat template), so both kvpilot and transformers' `LlamaForCausalLM` load
+it. It is written to a temporary sibling and renamed into place, so a crash or a concurrent
+first use never leaves a half-written model behind.
 """
 
 from __future__ import annotations
@@ -26,7 +33,8 @@ from kvpilot.model.tokenizer import (
     special_token_id,
 )
 
-TINY_NAME = "tiny-v1"
+# The folder name is the cache key: bump it whenever the weights or config change.
+TINY_NAME = "tiny-v2"
 TINY_SEED = 20240601
 DEFAULT_CACHE_DIR = Path("~/.cache/kvpilot/models")
 
@@ -44,7 +52,7 @@ TINY_CONFIG: dict[str, Any] = {
     "max_position_embeddings": 8192,
     "rms_norm_eps": 1e-5,
     "rope_theta": 10000.0,
-    "tie_word_embeddings": True,
+    "tie_word_embeddings": False,
     "attention_bias": False,
     "mlp_bias": False,
     "bos_token_id": None,
@@ -54,8 +62,14 @@ TINY_CONFIG: dict[str, Any] = {
 }
 
 
+# Gains over N(0, 1/fan_in): attention's share of the residual stream, score sharpness, head.
+ATTENTION_OUT_GAIN = 3.0
+QUERY_KEY_GAIN = 1.5
+HEAD_GAIN = 4.0
+
+
 def tiny_weights(seed: int = TINY_SEED) -> dict[str, np.ndarray]:
-    """HF-named float32 weights. Linear layers draw N(0, 1/fan_in) so activations stay O(1)."""
+    """HF-named float32 weights: linear layers N(0, gain²/fan_in), gains as set above."""
     rng = np.random.Generator(np.random.PCG64(seed))
     c = TINY_CONFIG
     hidden, inter, d = c["hidden_size"], c["intermediate_size"], c["head_dim"]
@@ -64,8 +78,8 @@ def tiny_weights(seed: int = TINY_SEED) -> dict[str, np.ndarray]:
     def normal(shape: tuple[int, ...], std: float) -> np.ndarray:
         return (rng.standard_normal(shape, dtype=np.float32) * np.float32(std)).astype(np.float32)
 
-    def linear(out_features: int, in_features: int) -> np.ndarray:
-        return normal((out_features, in_features), in_features**-0.5)
+    def linear(out_features: int, in_features: int, gain: float = 1.0) -> np.ndarray:
+        return normal((out_features, in_features), gain * in_features**-0.5)
 
     def norm(size: int) -> np.ndarray:
         return (1.0 + normal((size,), 0.05)).astype(np.float32)
@@ -74,15 +88,16 @@ def tiny_weights(seed: int = TINY_SEED) -> dict[str, np.ndarray]:
     for i in range(c["num_hidden_layers"]):
         p = f"model.layers.{i}."
         weights[p + "input_layernorm.weight"] = norm(hidden)
-        weights[p + "self_attn.q_proj.weight"] = linear(q_out, hidden)
-        weights[p + "self_attn.k_proj.weight"] = linear(kv_out, hidden)
+        weights[p + "self_attn.q_proj.weight"] = linear(q_out, hidden, QUERY_KEY_GAIN)
+        weights[p + "self_attn.k_proj.weight"] = linear(kv_out, hidden, QUERY_KEY_GAIN)
         weights[p + "self_attn.v_proj.weight"] = linear(kv_out, hidden)
-        weights[p + "self_attn.o_proj.weight"] = linear(hidden, q_out)
+        weights[p + "self_attn.o_proj.weight"] = linear(hidden, q_out, ATTENTION_OUT_GAIN)
         weights[p + "post_attention_layernorm.weight"] = norm(hidden)
         weights[p + "mlp.gate_proj.weight"] = linear(inter, hidden)
         weights[p + "mlp.up_proj.weight"] = linear(inter, hidden)
         weights[p + "mlp.down_proj.weight"] = linear(hidden, inter)
     weights["model.norm.weight"] = norm(hidden)
+    weights["lm_head.weight"] = linear(c["vocab_size"], hidden, HEAD_GAIN)
     return weights
 
 

@@ -32,9 +32,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from kvpilot.errors import ConfigError
-from kvpilot.units import format_bytes as _fmt_bytes
-from kvpilot.units import format_duration as _fmt_s
-from kvpilot.units import format_figure as _fmt_gbs
+from kvpilot.units import format_bytes, format_seconds
 
 
 class PauseAction(StrEnum):
@@ -45,6 +43,20 @@ class PauseAction(StrEnum):
     # Not chosen by the rule: the pause-unaware baseline (unlock and leave the blocks in the
     # prefix cache, where LRU eviction decides their fate) is recorded under this action.
     CACHE = "cache"
+
+    @property
+    def label(self) -> str:
+        """The decision in words, as a reason sentence starts: "Offload to host"."""
+        return _LABELS[self]
+
+
+_LABELS = {
+    PauseAction.RETAIN: "Retain",
+    PauseAction.OFFLOAD_HOST: "Offload to host",
+    PauseAction.OFFLOAD_DISK: "Offload to disk",
+    PauseAction.DROP: "Drop",
+    PauseAction.CACHE: "Leave to the cache",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,59 +205,66 @@ def decide_pause(
             disk_round_trip_s=2 * disk_reload_s,
         )
 
+    size, s = format_bytes(m), format_seconds
     if inputs.device_pressure < thresholds.device_plentiful_below:
         return decision(
             PauseAction.RETAIN,
-            f"retain: device memory is plentiful (pressure {inputs.device_pressure:.2f} < "
-            f"{thresholds.device_plentiful_below:.2f}), so holding {_fmt_bytes(m)} for "
-            f"{_fmt_s(wait)} ({_fmt_gbs(gb * wait)} GB·s) costs nobody anything",
+            f"Retain: device memory is plentiful (pressure {inputs.device_pressure:.2f}, under "
+            f"{thresholds.device_plentiful_below:.2f}), so holding {size} for {s(wait)} costs "
+            "nobody anything.",
         )
-    what = {
-        PauseAction.OFFLOAD_HOST: "the host round trip",
-        PauseAction.OFFLOAD_DISK: "the disk round trip",
-        PauseAction.DROP: "recomputing",
+    way_out = {
+        PauseAction.OFFLOAD_HOST: f"the {s(way_out_rt)} host round trip",
+        PauseAction.OFFLOAD_DISK: f"the {s(way_out_rt)} disk round trip",
+        PauseAction.DROP: f"the {s(way_out_rt)} it takes to recompute",
     }[via]
     if wait <= way_out_rt:
         return decision(
             PauseAction.RETAIN,
-            f"retain: the {_fmt_s(wait)} wait is shorter than {what} ({_fmt_s(way_out_rt)}), "
-            f"so moving {_fmt_bytes(m)} out would stall the resume",
+            f"Retain: the {s(wait)} wait is shorter than {way_out}, so moving {size} out "
+            "would delay the resume.",
         )
     if wait <= t_star:
+        if math.isinf(t_star):
+            why = (
+                f"host memory is as contended as device memory ({mu_tier:.2f} against "
+                f"{inputs.device_pressure:.2f}), so moving {size} there would free nothing scarcer"
+                if via is PauseAction.OFFLOAD_HOST
+                else f"device memory is under no pressure, so freeing {size} gains nothing"
+            )
+            return decision(PauseAction.RETAIN, f"Retain: {why}.")
         return decision(
             PauseAction.RETAIN,
-            f"retain: the {_fmt_s(wait)} wait is below the break-even wait {_fmt_s(t_star)} "
-            f"(device pressure {inputs.device_pressure:.2f} vs {mu_tier:.2f} where the state "
-            f"would go), so holding {_fmt_bytes(m)} is cheaper than moving it",
+            f"Retain: the {s(wait)} wait is under the {s(t_star)} break-even wait (device "
+            f"pressure {inputs.device_pressure:.2f} against {mu_tier:.2f} where the state "
+            f"would go), so holding {size} costs less than moving it.",
         )
+    past = f"the {s(wait)} wait is past the {s(t_star)} break-even"
+    if not math.isclose(t_star, way_out_rt, rel_tol=0.05):
+        past += f" ({s(way_out_rt)} round trip)"
     if via is PauseAction.DROP:
         if math.isinf(tier_reload):
             why = "there is no host room and no disk tier"
         else:
-            why = f"recomputing takes {_fmt_s(recompute_s)} vs {_fmt_s(tier_reload)} to reload"
+            why = f"recomputing ({s(recompute_s)}) is faster than reloading ({s(tier_reload)})"
         return decision(
             PauseAction.DROP,
-            f"drop: {why}; the {_fmt_s(wait)} wait is past the break-even "
-            f"{_fmt_s(t_star)}, so free {_fmt_bytes(m)} now and recompute on return",
+            f"Drop: {why}, and {past}, so {size} is freed now and recomputed on return.",
         )
     if via is PauseAction.OFFLOAD_DISK:
         why = (
-            f"the host has room for only {_fmt_bytes(inputs.host_free_bytes)}"
+            f"the host has room for only {format_bytes(inputs.host_free_bytes)} and {past}"
             if inputs.host_free_bytes < m
             else f"host memory is under pressure ({inputs.host_pressure:.2f}) and the "
-            f"{_fmt_s(2 * disk_reload_s)} disk round trip is negligible"
+            f"{s(2 * disk_reload_s)} disk round trip is negligible next to the {s(wait)} wait"
         )
         return decision(
             PauseAction.OFFLOAD_DISK,
-            f"offload to disk: {why}; the {_fmt_s(wait)} wait exceeds the "
-            f"{_fmt_s(2 * disk_reload_s)} round trip and reloading {_fmt_bytes(m)} "
-            f"({_fmt_s(disk_reload_s)}) beats recomputing ({_fmt_s(recompute_s)})",
+            f"Offload to disk: {why}, so reloading {size} later ({s(disk_reload_s)}) beats "
+            f"recomputing it ({s(recompute_s)}).",
         )
     return decision(
         PauseAction.OFFLOAD_HOST,
-        f"offload to host: the {_fmt_s(wait)} wait exceeds the {_fmt_s(2 * reload_s)} round "
-        f"trip (break-even {_fmt_s(t_star)}), and reloading {_fmt_bytes(m)} takes "
-        f"{_fmt_s(reload_s)} vs {_fmt_s(recompute_s)} to recompute "
-        f"({recompute_s / reload_s:.0f}x faster); holding it would tie up "
-        f"{_fmt_gbs(gb * wait)} GB·s",
+        f"Offload to host: {past}, and reloading {size} ({s(reload_s)}) is "
+        f"{recompute_s / reload_s:.0f}x faster than recomputing it ({s(recompute_s)}).",
     )

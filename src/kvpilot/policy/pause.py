@@ -21,6 +21,7 @@ from typing import Protocol
 
 from kvpilot.errors import ConfigError
 from kvpilot.policy.breakeven import PauseAction, PauseDecision, PauseInputs, decide_pause
+from kvpilot.units import format_bytes, format_seconds
 
 
 class PausePolicy(Protocol):
@@ -60,14 +61,16 @@ class Always:
     action: PauseAction
 
     def decide(self, inputs: PauseInputs) -> PauseDecision:
+        size = format_bytes(inputs.kv_bytes)
         what = {
-            PauseAction.RETAIN: "keep the state resident until the agent returns",
-            PauseAction.DROP: "free the state now and recompute it on return",
-            PauseAction.OFFLOAD_HOST: "move the state to host memory",
-            PauseAction.OFFLOAD_DISK: "move the state to disk",
-            PauseAction.CACHE: "unlock the state and leave it to the prefix cache's LRU",
+            PauseAction.RETAIN: f"{size} stays on the device until the agent returns",
+            PauseAction.DROP: f"{size} is freed now and recomputed on return",
+            PauseAction.OFFLOAD_HOST: f"{size} moves to host memory until the agent returns",
+            PauseAction.OFFLOAD_DISK: f"{size} moves to disk until the agent returns",
+            PauseAction.CACHE: f"{size} is unlocked and the prefix cache's LRU decides its fate",
         }[self.action]
-        return _fixed(inputs, self.action, f"policy {self.name}: {what}")
+        reason = f"{self.action.label}, as this policy always does: {what}."
+        return _fixed(inputs, self.action, reason)
 
     def lease_s(self, inputs: PauseInputs) -> float:
         return math.inf
@@ -81,10 +84,12 @@ class TimeToLive:
     name: str = "ttl"
 
     def decide(self, inputs: PauseInputs) -> PauseDecision:
+        size, lease = format_bytes(inputs.kv_bytes), format_seconds(self.ttl_s)
         return _fixed(
             inputs,
             PauseAction.RETAIN,
-            f"policy ttl: keep the state resident for {self.ttl_s:g} s, then release it",
+            f"Retain for {lease} (the ttl policy's lease): {size} stays on the device that "
+            "long, then goes to the prefix cache.",
         )
 
     def lease_s(self, inputs: PauseInputs) -> float:
@@ -92,6 +97,16 @@ class TimeToLive:
 
 
 POLICY_NAMES = ("breakeven", "retain", "drop", "offload-host", "offload-disk", "ttl", "lru")
+# One line each, for people choosing a policy (`kvpilot serve`'s banner, `kvpilot top`).
+POLICY_SUMMARIES = {
+    "breakeven": "retain, offload or drop each pause by the break-even rule on measured figures",
+    "retain": "keep every paused session's KV on the device until it returns",
+    "drop": "free every paused session's KV and recompute it on return",
+    "offload-host": "move every paused session's KV to host memory",
+    "offload-disk": "move every paused session's KV to disk",
+    "ttl": "keep paused KV on the device for a fixed lease, then let the cache evict it",
+    "lru": "no pause awareness: the prefix cache's LRU eviction decides (today's engines)",
+}
 
 
 def make_pause_policy(name: str, *, ttl_s: float = 10.0) -> PausePolicy:

@@ -19,10 +19,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvpilot.engine import Engine
 from kvpilot.errors import InvalidRequest, KvpilotError, PromptTooLong
-from kvpilot.server import completions_api, sessions_api
+from kvpilot.server import completions_api, messages_api, sessions_api, usage_api
+from kvpilot.server.anthropic_protocol import anthropic_error_body, is_anthropic_route
 from kvpilot.server.async_engine import AsyncEngine
 from kvpilot.server.limits import BodySizeLimit, ServerLimits
 from kvpilot.server.metrics import ServerMetrics
+from kvpilot.server.prompt_cache import PromptCache, PromptCacheConfig
 from kvpilot.server.protocol import ApiError, ModelCard, ModelList, error_body
 from kvpilot.server.state import ServerState, get_state, get_tenant
 from kvpilot.server.tenancy import ApiKeys
@@ -38,10 +40,12 @@ def create_app(
     limits: ServerLimits | None = None,
     api_keys: ApiKeys | None = None,
     options: Mapping[str, Any] | None = None,
+    prompt_cache: PromptCacheConfig | None = None,
 ) -> FastAPI:
     """An app serving ``engine``; its engine thread runs while the app is up (lifespan)."""
     limits = limits or ServerLimits()
-    metrics = ServerMetrics()
+    metrics = ServerMetrics(engine.kv.block_size)
+    cache = PromptCache(engine, prompt_cache or PromptCacheConfig(), metrics.registry)
     async_engine = AsyncEngine(
         engine, on_iteration=metrics.observe, on_abort=metrics.requests_aborted.inc
     )
@@ -53,6 +57,7 @@ def create_app(
         api_keys=api_keys or ApiKeys(),
         metrics=metrics,
         options=dict(options or {}),
+        prompt_cache=cache,
     )
 
     @asynccontextmanager
@@ -63,6 +68,7 @@ def create_app(
             yield
         finally:
             async_engine.shutdown()  # also closes the engine (copiers, disk tier)
+            cache.close()
 
     app = FastAPI(title="kvpilot", lifespan=lifespan)
     app.state.kvpilot = state
@@ -70,6 +76,8 @@ def create_app(
     _install_error_handlers(app, metrics)
     app.include_router(completions_api.router)
     app.include_router(sessions_api.router)
+    app.include_router(messages_api.router)
+    app.include_router(usage_api.router)
 
     @app.get("/v1/models")
     async def models(request: Request, tenant: str | None = Depends(get_tenant)) -> dict:
@@ -111,27 +119,30 @@ def create_app(
 
 
 def _install_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
-    def reply(status: int, body: dict[str, Any]) -> JSONResponse:
+    def reply(status: int, body: dict[str, Any], request: Request | None = None) -> JSONResponse:
+        """The OpenAI error body, or Anthropic's on the Anthropic routes."""
         metrics.http_errors.labels(str(status)).inc()
+        if request is not None and is_anthropic_route(request.url.path):
+            body = anthropic_error_body(status, body)
         return JSONResponse(body, status_code=status)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
-        return reply(exc.status, exc.body())
+        return reply(exc.status, exc.body(), request)
 
     @app.exception_handler(InvalidRequest)
     async def invalid_request(request: Request, exc: InvalidRequest) -> JSONResponse:
         code = "context_length_exceeded" if isinstance(exc, PromptTooLong) else None
-        return reply(400, error_body(str(exc), "invalid_request_error", code=code))
+        return reply(400, error_body(str(exc), "invalid_request_error", code=code), request)
 
     @app.exception_handler(KvpilotError)
     async def kvpilot_error(request: Request, exc: KvpilotError) -> JSONResponse:
-        return reply(400, error_body(str(exc), "invalid_request_error"))
+        return reply(400, error_body(str(exc), "invalid_request_error"), request)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = _describe_validation(exc)
-        return reply(400, error_body(message, "invalid_request_error", param=param))
+        return reply(400, error_body(message, "invalid_request_error", param=param), request)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -141,7 +152,7 @@ def _install_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
             message = f"no route {request.method} {request.url.path}"
         elif exc.status_code == 405:
             message = f"{request.method} is not allowed on {request.url.path}"
-        return reply(exc.status_code, error_body(message, kind))
+        return reply(exc.status_code, error_body(message, kind), request)
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
@@ -149,6 +160,7 @@ def _install_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
         return reply(
             500,
             error_body(f"internal error: {type(exc).__name__}: {exc}", "server_error"),
+            request,
         )
 
 

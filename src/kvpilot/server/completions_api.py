@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import secrets
 import time
+from dataclasses import replace
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
 from kvpilot.engine import RequestOutput
+from kvpilot.promptcache.breaks import PromptView
+from kvpilot.server.prompt_cache import RETENTION_24H_S
 from kvpilot.server.protocol import (
     ApiError,
     ChatCompletionRequest,
@@ -23,14 +26,22 @@ from kvpilot.server.responses import (
     completion_response,
     finish,
 )
-from kvpilot.server.state import ServerState, get_state, get_tenant
+from kvpilot.server.state import ServerState, authorization, get_state, get_tenant
 from kvpilot.server.streaming import EventStream, events
-from kvpilot.server.submit import PromptSpec, SessionSpec, request_adder, sampling_params
-from kvpilot.server.tenancy import cache_salt
+from kvpilot.server.submit import (
+    BreakpointSpec,
+    PromptSpec,
+    SessionSpec,
+    Submitted,
+    request_adder,
+    sampling_params,
+)
+from kvpilot.server.tenancy import cache_salt, key_id
 
 router = APIRouter()
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # the OpenAI default for /v1/completions
+PREFIX_BREAK_HEADER = "x-kvpilot-prefix-break"
 
 
 @router.post("/v1/completions", response_model=None)
@@ -52,8 +63,50 @@ async def chat_completions(
 async def _generate(
     http: Request, tenant: str | None, body: GenerationRequest, prompt: PromptSpec, *, chat: bool
 ) -> Response:
+    call = await start_call(http, tenant, body, prompt, chat=chat)
+    headers = prefix_break_header(call)
+    if body.stream:
+        return EventStream(events(call), on_close=lambda: abort_unfinished(call), headers=headers)
+    try:
+        output = await _wait_finished(call)
+    finally:
+        abort_unfinished(call)
+    info = await finish(call, output)
+    body_json = (chat_response if chat else completion_response)(call, output, info)
+    return JSONResponse(body_json, headers=headers)
+
+
+def prefix_break_header(call: Call) -> dict[str, str]:
+    brk = call.prefix_break
+    return {PREFIX_BREAK_HEADER: brk.header()} if brk is not None else {}
+
+
+def with_retention(prompt: PromptSpec, body: GenerationRequest) -> PromptSpec:
+    """``prompt_cache_retention: "24h"``: the whole prompt is pinned for a day, in the tier
+    the break-even rule picks for such a wait (disk or host when there is one)."""
+    if body.prompt_cache_retention != "24h" or prompt.messages is None:
+        return prompt
+    bp = BreakpointSpec(prompt.messages, prompt.tools, RETENTION_24H_S, "prompt_cache_retention")
+    return replace(prompt, breakpoints=(*prompt.breakpoints, bp))
+
+
+def break_group(tenant: str | None, body: GenerationRequest) -> tuple[str, ...] | None:
+    """Whose previous request a request is compared with: its session's, or its
+    ``prompt_cache_key`` group's (per tenant)."""
+    if body.session_id is not None:
+        return ("session", body.session_id)
+    if body.prompt_cache_key is not None:
+        return ("key", tenant or "", body.prompt_cache_key)
+    return None
+
+
+async def start_call(
+    http: Request, tenant: str | None, body: GenerationRequest, prompt: PromptSpec, *, chat: bool
+) -> Call:
+    """Validate, submit to the engine, and compare with the group's previous request."""
     state = get_state(http)
     _validate(state, body)
+    prompt = with_retention(prompt, body)
     requested = (
         body.requested_max_tokens if isinstance(body, ChatCompletionRequest) else body.max_tokens
     )
@@ -108,6 +161,7 @@ async def _generate(
             else None
         ),
         keep_prompt_ids=body.return_token_ids,
+        ideal=state.metrics.ideal,
     )
     stream, submitted = await state.engine.submit(add)
     if session is not None:
@@ -117,16 +171,30 @@ async def _generate(
             session.opening_tokens = submitted.opening_tokens
         session.last_divergence_index = submitted.divergence_index
     call = Call(
-        state, http, tenant, body, chat, request_id, stream, submitted, session, int(time.time())
+        state,
+        http,
+        tenant,
+        body,
+        chat,
+        request_id,
+        stream,
+        submitted,
+        session,
+        int(time.time()),
+        api_key=key_id(authorization(http)),
     )
-    if body.stream:
-        return EventStream(events(call), on_close=lambda: abort_unfinished(call))
-    try:
-        output = await _wait_finished(call)
-    finally:
-        abort_unfinished(call)
-    info = await finish(call, output)
-    return JSONResponse((chat_response if chat else completion_response)(call, output, info))
+    group = break_group(tenant, body)
+    if group is not None and state.prompt_cache is not None and submitted.whole_prompt:
+        call.prefix_break = state.prompt_cache.observe(group, _view(prompt, submitted))
+    return call
+
+
+def _view(prompt: PromptSpec, submitted: Submitted) -> PromptView:
+    tokens = submitted.whole_prompt or []
+    if prompt.messages is None:
+        return PromptView(tokens, submitted.prompt_text)
+    messages = submitted.conversation if submitted.conversation is not None else prompt.messages
+    return PromptView.of_chat(tokens, submitted.prompt_text, messages, prompt.tools)
 
 
 def _validate(state: ServerState, body: GenerationRequest) -> None:

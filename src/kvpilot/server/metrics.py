@@ -10,15 +10,20 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kvpilot.engine import Engine
-from kvpilot.engine.snapshot import EngineSnapshot
+from kvpilot.engine import Engine, RequestOutput
+from kvpilot.engine.snapshot import SESSION_STATES, EngineSnapshot
 from kvpilot.engine.tier_stats import DIRECTIONS
 from kvpilot.policy.breakeven import PauseAction
+from kvpilot.trace.ideal import IdealHitMeter
+
+if TYPE_CHECKING:
+    from kvpilot.server.submit import Submitted
 
 # Every pause action, and "demoted": idle KV the engine moved out under memory pressure.
 PAUSE_ACTIONS = (*(str(a) for a in PauseAction), "demoted")
@@ -47,9 +52,23 @@ class _EngineCollector(Collector):
             blocks.add_metric([tier, "cached"], t.cached_blocks)
         yield usage
         yield blocks
+        yield _gauge(
+            "kvpilot_tau_high_ratio",
+            "Admission ceiling on device KV usage (tau_high): new work waits above it",
+            s.tau_high,
+        )
         yield _gauge("kvpilot_requests_running", "Requests running", s.running)
         yield _gauge("kvpilot_requests_waiting", "Requests waiting for admission", s.waiting)
         yield _gauge("kvpilot_sessions_open", "Open agent sessions", s.open_sessions)
+        sessions = GaugeMetricFamily(
+            "kvpilot_sessions",
+            "Open agent sessions by state: running, waiting (for admission or KV), paused "
+            "(off at a tool), idle",
+            labels=["state"],
+        )
+        for state in SESSION_STATES:
+            sessions.add_metric([state], s.sessions_by_state.get(state, 0))
+        yield sessions
         yield _counter("kvpilot_engine_steps", "Engine steps run", s.steps)
         yield _counter(
             "kvpilot_prompt_tokens", "Prompt tokens of finished requests", s.prompt_tokens
@@ -145,8 +164,16 @@ def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
 class ServerMetrics:
     """The app's registry: engine snapshot collector, latency histograms, server counters."""
 
-    def __init__(self) -> None:
+    def __init__(self, block_size: int = 16) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        # What an unbounded prefix cache would have served: the figure hit rates compare to.
+        self.ideal = IdealHitMeter(block_size)
+        self.ideal_cached_tokens = Counter(
+            "kvpilot_ideal_cached_prompt_tokens",
+            "Prompt tokens of finished requests an unbounded prefix cache would have served "
+            "(compare with kvpilot_cached_prompt_tokens)",
+            registry=self.registry,
+        )
         self._lock = threading.Lock()
         self._latest = EngineSnapshot()
         self.ttft = Histogram(
@@ -210,6 +237,17 @@ class ServerMetrics:
         snap = engine.snapshot()
         with self._lock:
             self._latest = snap
+
+    def record_ideal(self, submitted: Submitted, output: RequestOutput) -> None:
+        """A request finished: count what an unbounded cache would have served of its prompt
+        (never less than what was served), and remember its prompt and output blocks."""
+        if submitted.whole_prompt is None:
+            return
+        self.ideal_cached_tokens.inc(max(submitted.ideal_cached_tokens, output.cached_tokens))
+        for branch in output.outputs:  # the KV of every generated token but the last
+            self.ideal.add(submitted.whole_prompt + list(branch.token_ids[:-1]), submitted.salt)
+        if not output.outputs:
+            self.ideal.add(submitted.whole_prompt, submitted.salt)
 
     def record_request(self, tenant: str | None, prompt_tokens: int, cached_tokens: int) -> None:
         label = tenant or "anonymous"

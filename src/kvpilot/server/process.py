@@ -1,7 +1,8 @@
 """Run the real ``kvpilot serve`` command in a child process on a free loopback port.
 
 ``with ServeProcess(["--kv-blocks", "256"]) as server: ... server.base_url ...`` starts the
-command, waits until ``/health`` answers ok, and on the way out (an error or Ctrl-C
+command, waits until ``/health`` answers ok (passing each line the server logs meanwhile,
+its start-up banner, to ``on_log``), and on the way out (an error or Ctrl-C
 included) stops it the way a user would: SIGINT (uvicorn's graceful shutdown, which
 closes the engine and its disk tier), then SIGTERM, then SIGKILL, each after a grace period.
 """
@@ -15,7 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -44,8 +45,11 @@ class ServeProcess:
         startup_timeout_s: float = 180.0,
         stop_timeout_s: float = 20.0,
         log_path: Path | None = None,
+        on_log: Callable[[str], None] | None = None,
     ) -> None:
         self.args = list(args)
+        self.on_log = on_log
+        self._log_offset = 0
         self.host = host
         self.port = 0
         self.startup_timeout_s = startup_timeout_s
@@ -76,6 +80,7 @@ class ServeProcess:
 
     def start(self) -> None:
         self.port = free_port(self.host)
+        self._log_offset = 0
         if self.log_path is None:
             fd, name = tempfile.mkstemp(prefix="kvpilot-serve-", suffix=".log")
             os.close(fd)
@@ -100,6 +105,7 @@ class ServeProcess:
         deadline = time.monotonic() + self.startup_timeout_s
         with httpx.Client(base_url=self.base_url, timeout=5.0) as client:
             while True:
+                self._pass_on_log()
                 code = self._proc.poll()
                 if code is not None:
                     raise ServerStartError(
@@ -110,6 +116,7 @@ class ServeProcess:
                     response = client.get("/health")
                     if response.status_code == 200:
                         self.health = response.json()
+                        self._pass_on_log()
                         return
                 except httpx.TransportError:
                     pass
@@ -119,6 +126,18 @@ class ServeProcess:
                         f"{self.startup_timeout_s:.0f} s; its log:\n{self.log_tail()}"
                     )
                 time.sleep(0.2)
+
+    def _pass_on_log(self) -> None:
+        """Hand the log's new complete lines to ``on_log``."""
+        if self.on_log is None or self.log_path is None:
+            return
+        with self.log_path.open("rb") as f:
+            f.seek(self._log_offset)
+            data = f.read()
+        end = data.rfind(b"\n") + 1
+        self._log_offset += end
+        for line in data[:end].decode("utf-8", errors="replace").splitlines():
+            self.on_log(line)
 
     def log_tail(self, lines: int = 30) -> str:
         if self.log_path is None or not self.log_path.exists():

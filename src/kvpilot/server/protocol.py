@@ -2,7 +2,8 @@
 
 Extensions ride along as extra body fields (``extra_body`` in the OpenAI client):
 ``session_id``, ``session_history``, ``expected_tool_wait_s``, ``tool``, ``cache_salt``,
-``top_k``, ``ignore_eos``, ``return_token_ids``. Responses carry a ``kvpilot`` object
+``top_k``, ``ignore_eos``, ``return_token_ids``; OpenAI's ``prompt_cache_key`` and
+``prompt_cache_retention`` are honoured. Responses carry a ``kvpilot`` object
 (session, prompt divergence, per-tier cached tokens, the pause decision taken when the turn
 ended, token ids when asked for) next to the standard fields.
 Types are strict: ``"5"`` is not a number and ``true`` is not a token id.
@@ -107,6 +108,10 @@ class GenerationRequest(BaseModel):
     tool: StrictStr | None = Field(None, max_length=256)
     cache_salt: StrictStr | None = Field(None, min_length=1, max_length=256)
     return_token_ids: StrictBool = False
+    # OpenAI prompt caching: a key grouping requests that share a prefix (prefix breaks are
+    # reported per group), and how long the prefix is kept ("24h": pinned for a day).
+    prompt_cache_key: StrictStr | None = Field(None, min_length=1, max_length=256)
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
 
     @property
     def pause_hint(self) -> bool:
@@ -232,6 +237,8 @@ class KvpilotInfo(BaseModel):
     cached_tokens_by_tier: dict[str, int]
     usage: Usage | None = None
     pause: dict[str, Any] | None = None
+    prefix_break: dict[str, Any] | None = None  # why the prompt diverged from the previous
+    prompt_cache: dict[str, Any] | None = None  # usage split as billed, pinned breakpoints
     prompt_token_ids: list[int] | None = None  # the whole prompt (history included)
     completion_token_ids: list[list[int]] | None = None  # per choice
 

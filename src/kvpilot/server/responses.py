@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from fastapi import Request
 from pydantic import BaseModel
 
-from kvpilot.engine import RequestOutput
+from kvpilot.engine import Engine, RequestOutput
+from kvpilot.promptcache.breaks import PrefixBreak
+from kvpilot.promptcache.ledger import ttl_label
+from kvpilot.promptcache.usage import Breakpoint
 from kvpilot.server.async_engine import RequestStream
+from kvpilot.server.prompt_cache import CacheOutcome
 from kvpilot.server.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -42,6 +47,9 @@ class Call:
     submitted: Submitted
     session: ServerSession | None
     created: int
+    api_key: str | None = None  # the caller's key id (a digest), for the usage ledger
+    prefix_break: PrefixBreak | None = None
+    cache: CacheOutcome | None = None  # set by `finish`
 
 
 def abort_unfinished(call: Call) -> None:
@@ -57,6 +65,8 @@ async def finish(call: Call, output: RequestOutput) -> KvpilotInfo:
     pause = None
     session = call.session
     completed = bool(output.outputs) and output.outputs[0].finish_reason != "abort"
+    state.metrics.record_ideal(call.submitted, output)
+    call.cache = await _bill(call, output)
     if session is not None:
         session.record_turn(output.prompt_tokens, output.cached_tokens, by_tier(output))
         if call.chat and completed:
@@ -70,12 +80,45 @@ async def finish(call: Call, output: RequestOutput) -> KvpilotInfo:
     return KvpilotInfo(
         session_id=session.session_id if session else None,
         prompt_divergence_index=call.submitted.divergence_index,
+        prefix_break=call.prefix_break.to_json() if call.prefix_break else None,
+        prompt_cache=_cache_info(call.cache),
         cached_tokens_by_tier=by_tier(output),
         usage=usage_of(output),
         pause=pause,
         prompt_token_ids=call.submitted.prompt_token_ids if token_ids else None,
         completion_token_ids=[list(o.token_ids) for o in output.outputs] if token_ids else None,
     )
+
+
+async def _bill(call: Call, output: RequestOutput) -> CacheOutcome | None:
+    """Pin the request's breakpoints, split its usage as a provider bills it, record it."""
+    cache = call.state.prompt_cache
+    submitted = call.submitted
+    if cache is None or submitted.whole_prompt is None:
+        return None
+    tokens, salt = submitted.whole_prompt, submitted.salt
+    breakpoints = [Breakpoint(p, ttl, where) for p, ttl, where in submitted.breakpoints]
+    generated = output.generated_tokens
+
+    def after(engine: Engine) -> CacheOutcome:
+        return cache.after(engine, tokens, salt, breakpoints, output.cached_tokens, generated)
+
+    outcome = await call.state.engine.call(after)
+    cache.bill(outcome.usage, model=call.state.model_name, tenant=call.tenant, api_key=call.api_key)
+    return outcome
+
+
+def _cache_info(outcome: CacheOutcome | None) -> dict[str, Any] | None:
+    if outcome is None:
+        return None
+    u = outcome.usage
+    return {
+        "input_tokens": u.input_tokens,
+        "cache_read_input_tokens": u.cached_read_tokens,
+        "cache_creation_input_tokens": u.cache_write_tokens,
+        "cache_creation_by_ttl": {ttl_label(t): n for t, n in u.cache_write_tokens_by_ttl.items()},
+        "breakpoints": list(outcome.pinned),
+    }
 
 
 def by_tier(output: RequestOutput) -> dict[str, int]:

@@ -92,3 +92,6 @@ class SessionRegistry:
 
     def ids(self) -> list[str]:
         return list(self._sessions)
+
+    def of_tenant(self, tenant: str | None) -> list[ServerSession]:
+        return [s for s in self._sessions.values() if s.tenant == tenant]

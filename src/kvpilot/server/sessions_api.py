@@ -14,6 +14,7 @@ from kvpilot.server.protocol import (
     PauseSessionRequest,
 )
 from kvpilot.server.session_registry import ServerSession
+from kvpilot.server.session_states import session_states
 from kvpilot.server.state import get_state, get_tenant
 from kvpilot.server.tenancy import cache_salt
 from kvpilot.server.tiers import TIERS, pause_info, session_residency
@@ -54,6 +55,46 @@ async def create_session(
     return {"id": session_id, "object": "session", "cache_salt": salt_in}
 
 
+@router.get("/v1/sessions")
+async def list_sessions(
+    request: Request, tenant: str | None = Depends(get_tenant)
+) -> dict[str, Any]:
+    """The caller's open sessions: what each is doing now (running, waiting, paused, idle),
+    its counters and its last pause decision (what `kvpilot top` shows)."""
+    state = get_state(request)
+    records = state.sessions.of_tenant(tenant)
+
+    def read(engine: Engine) -> dict[str, tuple[str, int, dict[str, Any] | None]]:
+        states = session_states(engine, [r.session_id for r in records])
+        return {
+            sid: (st, engine.sessions[sid].num_tokens, pause_info(engine, sid))
+            for sid, st in states.items()
+        }
+
+    live = await state.engine.call(read)
+    data = []
+    for record in records:
+        if record.session_id not in live:
+            continue
+        now, tokens, pause = live[record.session_id]
+        if pause is not None:
+            record.last_pause = pause
+        data.append(
+            {
+                "id": record.session_id,
+                "object": "session",
+                "state": now,
+                "tokens": tokens,
+                "turns": record.turns,
+                "prompt_tokens": record.prompt_tokens,
+                "cached_tokens": record.cached_tokens,
+                "hit_rate": record.hit_rate,
+                "last_pause": record.last_pause,
+            }
+        )
+    return {"object": "list", "data": data}
+
+
 @router.get("/v1/sessions/{session_id}")
 async def get_session(
     session_id: str, request: Request, tenant: str | None = Depends(get_tenant)
@@ -83,6 +124,14 @@ async def get_session(
         "cached_tokens": record.cached_tokens,
         "cached_tokens_by_tier": {t: record.cached_tokens_by_tier[t] for t in TIERS},
         "hit_rate": record.hit_rate,
+        # H_prefix = sum(S_match) / sum(S_prompt) over the trajectory's turns, with the
+        # prefix breaks seen (by cause) and reuse per conversation sharing the session.
+        "h_prefix": record.hit_rate,
+        **(
+            state.prompt_cache.describe_group(("session", session_id))
+            if state.prompt_cache is not None
+            else {}
+        ),
         "last_divergence_index": record.last_divergence_index,
         "paused": live.pop("pause") is not None,
         "last_pause": record.last_pause,

@@ -11,6 +11,7 @@ from fastapi import Request
 from kvpilot.server.async_engine import AsyncEngine
 from kvpilot.server.limits import ServerLimits
 from kvpilot.server.metrics import ServerMetrics
+from kvpilot.server.prompt_cache import PromptCache
 from kvpilot.server.session_registry import SessionRegistry
 from kvpilot.server.tenancy import ApiKeys
 
@@ -24,6 +25,7 @@ class ServerState:
     api_keys: ApiKeys
     metrics: ServerMetrics
     sessions: SessionRegistry = field(default_factory=SessionRegistry)
+    prompt_cache: PromptCache | None = None
     # Options accepted on the command line and how the engine took them, shown by /health.
     options: dict[str, Any] = field(default_factory=dict)
     created: int = field(default_factory=lambda: int(time.time()))
@@ -33,6 +35,15 @@ def get_state(request: Request) -> ServerState:
     return request.app.state.kvpilot
 
 
+def authorization(request: Request) -> str | None:
+    """The caller's credentials: ``Authorization: Bearer <key>``, or Anthropic's
+    ``x-api-key: <key>`` (what the official anthropic client sends)."""
+    header = request.headers.get("authorization")
+    if header is None and (key := request.headers.get("x-api-key")):
+        header = f"Bearer {key}"
+    return header
+
+
 def get_tenant(request: Request) -> str | None:
     """FastAPI dependency: the caller's tenant (401 when keys are configured and it fails)."""
-    return get_state(request).api_keys.tenant_for(request.headers.get("authorization"))
+    return get_state(request).api_keys.tenant_for(authorization(request))

@@ -39,8 +39,15 @@ class EventStream(StreamingResponse):
     started and closing it runs none of its cleanup.
     """
 
-    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], None]) -> None:
-        super().__init__(events, media_type="text/event-stream", headers=_SSE_HEADERS)
+    def __init__(
+        self,
+        events: AsyncIterator[str],
+        on_close: Callable[[], None],
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(
+            events, media_type="text/event-stream", headers=_SSE_HEADERS | (headers or {})
+        )
         self.on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -6,6 +6,7 @@ session's tokens cannot change between reading them and submitting the turn.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -15,9 +16,26 @@ from kvpilot.engine import Engine, SamplingParams
 from kvpilot.errors import InvalidRequest
 from kvpilot.server.limits import resolve_max_tokens
 from kvpilot.server.protocol import ApiError, SessionHistory
-from kvpilot.server.turns import chat_resends_history, completion_resends_history, plan_turn
+from kvpilot.server.turns import (
+    chat_resends_history,
+    common_prefix_len,
+    completion_resends_history,
+    plan_turn,
+)
+from kvpilot.trace.ideal import IdealHitMeter
 
 log = logging.getLogger("kvpilot.server")
+
+
+@dataclass(frozen=True, slots=True)
+class BreakpointSpec:
+    """A cache breakpoint: the request cut right after the marked block (rendered without a
+    generation prompt, its common prefix with the whole prompt is the breakpoint's position)."""
+
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None
+    ttl_s: float
+    where: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +45,10 @@ class PromptSpec:
     messages: list[dict[str, Any]] | None = None
     tools: list[dict[str, Any]] | None = None
     text_or_ids: str | list[int] | None = None
+    breakpoints: tuple[BreakpointSpec, ...] = ()
+    # Engine thread: how many cached tokens a request of these tokens may reuse (prompt
+    # caching with breakpoints reads only pinned prefixes); None: no limit.
+    reuse_limit: Callable[[list[int], str | None], int | None] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,23 +69,68 @@ class Submitted:
     conversation: list[dict[str, Any]] | None = None  # the whole conversation of this turn
     opening_tokens: list[int] | None = None  # set when this turn (re)started the trajectory
     prompt_token_ids: list[int] | None = None  # the whole prompt, when the client asked for it
+    # What an unbounded cache would serve of the whole prompt, and that prompt, for the
+    # ideal meter (`ServerMetrics.ideal`): set when a meter was given.
+    ideal_cached_tokens: int = 0
+    whole_prompt: list[int] | None = None
+    salt: str | None = None
+    prompt_text: str | None = None  # the rendered chat prompt (for the prefix-break report)
+    breakpoints: tuple[tuple[int, float, str], ...] = ()  # (position, ttl_s, where)
 
 
 def render_chat(
     engine: Engine, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
 ) -> list[int]:
+    return render_chat_text(engine, messages, tools)[1]
+
+
+def render_chat_text(
+    engine: Engine,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    *,
+    generation_prompt: bool = True,
+) -> tuple[str, list[int]]:
+    """The chat prompt's text and tokens. A template that does not render tools gets them
+    as JSON at the start of the system message, so that they reach the model."""
     tokenizer = engine.tokenizer
-    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+    template = getattr(tokenizer, "chat_template", None) if tokenizer is not None else None
+    if tokenizer is None or not template:
         raise InvalidRequest(
             "this model has no chat template: use /v1/completions with a plain prompt"
         )
+    if tools and "tools" not in str(template):
+        messages, tools = tools_in_system(messages, tools), None
     try:
         text = tokenizer.apply_chat_template(
-            messages, tools=tools, add_generation_prompt=True, tokenize=False
+            messages, tools=tools, add_generation_prompt=generation_prompt, tokenize=False
         )
     except Exception as exc:  # jinja2 raises TemplateError, templates raise what they like
         raise InvalidRequest(f"the chat template refused these messages: {exc}") from exc
-    return list(tokenizer.encode(text, add_special_tokens=False))
+    return text, list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def tools_in_system(
+    messages: list[dict[str, Any]], tools: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """Tools as JSON lines before the system prompt (one system message, made if none)."""
+    block = "# Tools\n" + "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+    if messages and messages[0].get("role") == "system":
+        first = dict(messages[0])
+        first["content"] = block + "\n\n" + str(first.get("content") or "")
+        return [first, *messages[1:]]
+    return [{"role": "system", "content": block}, *messages]
+
+
+def breakpoint_positions(
+    engine: Engine, prompt: PromptSpec, whole: list[int]
+) -> tuple[tuple[int, float, str], ...]:
+    """Where each breakpoint falls in ``whole`` (tokens), by rendering the request cut there."""
+    out = []
+    for bp in prompt.breakpoints:
+        _, cut = render_chat_text(engine, bp.messages, bp.tools, generation_prompt=False)
+        out.append((common_prefix_len(cut, whole), bp.ttl_s, bp.where))
+    return tuple(out)
 
 
 def encode(engine: Engine, prompt: str | list[int], *, special: bool) -> list[int]:
@@ -88,25 +155,47 @@ def request_adder(
     salt: str | None,
     session: SessionSpec | None,
     keep_prompt_ids: bool = False,
+    ideal: IdealHitMeter | None = None,
 ) -> Callable[[Engine], tuple[str, Submitted]]:
     """An engine command that adds the request (or session turn) and describes what it did."""
 
     def add(engine: Engine) -> tuple[str, Submitted]:
         if session is not None:
             return _add_turn(engine, session)
+        text = None
         if prompt.messages is not None:
-            tokens = render_chat(engine, prompt.messages, prompt.tools)
+            text, tokens = render_chat_text(engine, prompt.messages, prompt.tools)
         else:
             assert prompt.text_or_ids is not None
             tokens = encode(engine, prompt.text_or_ids, special=True)
+            text = prompt.text_or_ids if isinstance(prompt.text_or_ids, str) else None
         if not tokens:
             raise InvalidRequest("the prompt is empty")
         check_fits(engine, len(tokens))
         final = _with_max_tokens(engine, len(tokens))
+        breakpoints = breakpoint_positions(engine, prompt, tokens)
+        limit = prompt.reuse_limit(tokens, salt) if prompt.reuse_limit is not None else None
         engine.add_request(tokens, final, request_id=request_id, salt=salt)
-        return request_id, Submitted(
-            prompt_tokens=len(tokens), prompt_token_ids=tokens if keep_prompt_ids else None
+        if limit is not None:
+            for seq in engine.requests[request_id].seqs:
+                seq.traj.reuse_limit = limit
+        submitted = Submitted(
+            prompt_tokens=len(tokens),
+            prompt_token_ids=tokens if keep_prompt_ids else None,
+            prompt_text=text,
+            breakpoints=breakpoints,
         )
+        return request_id, _with_ideal(submitted, tokens, salt, own=0)
+
+    def _with_ideal(
+        submitted: Submitted, whole: list[int], salt: str | None, own: int
+    ) -> Submitted:
+        """The ideal hit: the best of a block-aligned prefix seen before (any session of
+        this salt) and the session's own computed context (token-exact)."""
+        if ideal is None:
+            return submitted
+        hit = max(ideal.hit(whole, salt), min(own, len(whole) - 1))
+        return replace(submitted, ideal_cached_tokens=hit, whole_prompt=whole, salt=salt)
 
     def _with_max_tokens(engine: Engine, total: int) -> SamplingParams:
         max_tokens = resolve_max_tokens(
@@ -129,11 +218,14 @@ def request_adder(
             )
         history = current.tokens
         conversation: list[dict[str, Any]] | None = None
+        text: str | None = None
         if prompt.messages is not None:
             full = not history or chat_resends_history(spec.mode, prompt.messages)
             conversation = prompt.messages if full else spec.conversation + prompt.messages
-            whole = render_chat(engine, conversation, prompt.tools)
+            text, whole = render_chat_text(engine, conversation, prompt.tools)
+            full_chat = full
         else:
+            full_chat = False
             assert prompt.text_or_ids is not None
             whole = encode(engine, prompt.text_or_ids, special=True)
             if history and not completion_resends_history(spec.mode, whole, spec.opening_tokens):
@@ -163,13 +255,19 @@ def request_adder(
             expected_tool_wait_s=spec.expected_tool_wait_s,
             tool=spec.tool,
         )
-        return request_id, Submitted(
+        submitted = Submitted(
             prompt_tokens=len(whole),
             divergence_index=plan.divergence_index,
             conversation=conversation,
             opening_tokens=whole if (plan.restart or not history) else None,
             prompt_token_ids=list(whole) if keep_prompt_ids else None,
+            prompt_text=text,
+            breakpoints=breakpoint_positions(engine, prompt, whole) if full_chat else (),
         )
+        # Every history token but the last generated one had its KV computed.
+        shared = plan.divergence_index if plan.restart else len(history)
+        own = min(shared or 0, len(history) - 1)
+        return request_id, _with_ideal(submitted, list(whole), current.salt, own)
 
     return add
 

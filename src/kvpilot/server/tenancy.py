@@ -88,6 +88,15 @@ class ApiKeys:
         return tenant
 
 
+def key_id(authorization: str | None) -> str | None:
+    """The id the usage ledger records for the caller's key: 12 hex digits of its SHA-256
+    (never the key itself); None without a key."""
+    scheme, _, key = (authorization or "").partition(" ")
+    if scheme.lower() != "bearer" or not key.strip():
+        return None
+    return _digest(key.strip()).hex()[:12]
+
+
 def cache_salt(tenant: str | None, salt: str | None = None) -> str | None:
     """The engine salt of a request: its tenant, further split by an explicit ``cache_salt``."""
     if salt is None:

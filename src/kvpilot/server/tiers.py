@@ -3,6 +3,7 @@ state, so it runs on the engine thread (inside an `AsyncEngine` command or hook)
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from kvpilot.engine import Engine, Session
@@ -15,9 +16,13 @@ TIERS = tuple(t.value for t in Tier)
 
 
 def pause_info(engine: Engine, session_id: str) -> dict[str, Any] | None:
-    """The session's standing pause (action, reason, the figures, state), if it is paused."""
+    """The session's standing pause (action, reason, the figures, state, and when it was
+    decided as a Unix time), if it is paused."""
     record = engine.offload.record_for(session_id)
-    return None if record is None else to_jsonable(record.as_dict())
+    if record is None:
+        return None
+    decided_at = time.time() - (engine.clock.now() - record.paused_at)
+    return to_jsonable({**record.as_dict(), "decided_at": decided_at})
 
 
 def session_residency(engine: Engine, session: Session) -> dict[str, Any]:
@@ -30,7 +35,8 @@ def session_residency(engine: Engine, session: Session) -> dict[str, Any]:
     disk = engine.offload.disk
     on_disk = 0
     if disk is not None and len(tokens) >= bs:
-        on_disk = sum(disk.contains(h) for h in chain_hashes(tokens, bs, traj.salt))
+        hashes = chain_hashes(tokens, bs, traj.salt, engine.kv.radix.model)
+        on_disk = sum(disk.contains(h) for h in hashes)
     return {
         "held_on_device": len(traj.block_table),
         "full_blocks": len(tokens) // bs,

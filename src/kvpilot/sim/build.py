@@ -7,6 +7,14 @@ overrides it. Its host tier is a `SimulatedTransport` over each device's host li
 ``host_kv_bytes_per_device`` (default: half the host memory the node gives each device; 0:
 no host tier), so pause policies can offload. The simulator runs one model replica (one TP
 group); a node holding several replicas serves that many times the simulated throughput.
+Without ``tp`` the group is what `kvpilot plan` picks (the smallest TP degree whose weights
+leave room for one sequence of ``max_model_len``), and ``max_model_len`` defaults to the
+model's own context limit (a longer one is clamped to it, with a warning).
+
+Hybrid models: the cost model reads sliding-window layers' KV only within their window,
+but the engine keeps every layer's blocks (per-layer-group block tables are not in the
+engine yet), so the simulated pool is counted in blocks spanning every layer, as the real
+engine would allocate them.
 """
 
 from __future__ import annotations
@@ -20,34 +28,42 @@ from kvpilot.engine.clock import VirtualClock
 from kvpilot.engine.config import DEFAULT_BLOCK_SIZE, EngineConfig
 from kvpilot.engine.engine import Engine
 from kvpilot.errors import ConfigError
-from kvpilot.sim.cost_model import (
-    CalibratedCostModel,
-    RooflineCostModel,
-    StepCostModel,
-    StepProfile,
-)
+from kvpilot.sim.cost_model import RooflineCostModel, StepCostModel
 from kvpilot.sim.drivers import AgentDriver, ReplayDriver
 from kvpilot.sim.policies import apply_policy, resolve_policy
+from kvpilot.sim.profile import CalibratedCostModel, StepProfile
 from kvpilot.sim.replay import ReplaySession
 from kvpilot.sim.report import SimResult
 from kvpilot.sim.runner import SimulatedRunner
 from kvpilot.sim.simulator import Simulator
 from kvpilot.sim.transport import SimulatedTransport
 from kvpilot.sim.workload import WorkloadConfig
+from kvpilot.sizing.capacity import (
+    DEFAULT_RESERVE_BYTES_PER_DEVICE,
+    block_sizing,
+    default_tp,
+    memory_budget,
+)
 from kvpilot.sizing.geometry import ModelGeometry, resolve_geometry
 from kvpilot.sizing.hardware import Node, parse_node
-from kvpilot.sizing.plan import DEFAULT_RESERVE_BYTES_PER_DEVICE, block_sizing, memory_budget
+from kvpilot.sizing.plan import dtype_warnings
 
 DEFAULT_MAX_MODEL_LEN = 131072
 
 
 @dataclass(frozen=True, slots=True)
 class SimSetup:
-    """What to simulate: the model, the node, the engine knobs and the run length."""
+    """What to simulate: the model, the node, the engine knobs and the run length.
+
+    ``kv_dtype``/``weights_dtype`` override the model's; ``max_model_len`` None is the
+    model's context limit; ``tp`` None is the plan's default (see the module docstring).
+    """
 
     model: str = "llama-3-70b"
     node: str = "8xh100"
     tp: int | None = None
+    kv_dtype: str | None = None
+    weights_dtype: str | None = None
     kv_blocks: int | None = None
     reserve_bytes_per_device: float = DEFAULT_RESERVE_BYTES_PER_DEVICE
     mfu: float = 0.5
@@ -60,7 +76,7 @@ class SimSetup:
             max_num_seqs=256, max_num_batched_tokens=2048
         )
     )
-    max_model_len: int = DEFAULT_MAX_MODEL_LEN
+    max_model_len: int | None = None
     duration_s: float = 3600.0
     sample_interval_s: float = 1.0
 
@@ -69,7 +85,7 @@ class SimSetup:
             raise ConfigError(f"--duration must be positive, got {self.duration_s}")
         if self.kv_blocks is not None and self.kv_blocks < 1:
             raise ConfigError("--kv-blocks must be positive")
-        if self.max_model_len < 2:
+        if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError("--max-model-len must be at least 2")
         if self.host_kv_bytes_per_device is not None and self.host_kv_bytes_per_device < 0:
             raise ConfigError("--host-memory must not be negative")
@@ -94,13 +110,47 @@ class SimSetup:
             )
 
     def geometry(self) -> ModelGeometry:
-        return resolve_geometry(self.model)
+        return resolve_geometry(self.model, self.kv_dtype, self.weights_dtype)
 
     def parsed_node(self) -> Node:
         return parse_node(self.node)
 
+    def model_len(self) -> int:
+        """The engine's context length: ``max_model_len`` within the model's limit."""
+        if self.profile is not None:
+            measured = StepProfile.load(self.profile).max_model_len
+            return self.max_model_len or measured or DEFAULT_MAX_MODEL_LEN
+        limit = self.geometry().max_context_tokens
+        wanted = self.max_model_len or limit or DEFAULT_MAX_MODEL_LEN
+        return min(wanted, limit) if limit else wanted
+
     def tp_degree(self) -> int:
-        return self.parsed_node().count if self.tp is None else self.tp
+        if self.tp is not None:
+            return self.tp
+        g, node = self.geometry(), self.parsed_node()
+        return default_tp(g, node, self.model_len(), self.reserve_bytes_per_device)[0]
+
+    def warnings(self) -> tuple[str, ...]:
+        """What was clamped or assumed that a user should know."""
+        if self.profile is not None:
+            return ()
+        g = self.geometry()
+        out: list[str] = []
+        limit = g.max_context_tokens
+        if self.max_model_len and limit and self.max_model_len > limit:
+            out.append(
+                f"--max-model-len {self.max_model_len:,} exceeds {g.name}'s limit of "
+                f"{limit:,} tokens (max_position_embeddings): simulated at {limit:,}"
+            )
+        out.extend(dtype_warnings(g))
+        if g.is_hybrid:
+            out.append(
+                f"{g.name} has {g.describe_layers()}: the cost model reads window layers "
+                f"within their window, but the engine keeps every layer's blocks "
+                f"(per-layer-group block tables are not in yet), so the pool holds fewer "
+                f"trajectories than `kvpilot plan` counts"
+            )
+        return tuple(out)
 
     def block_size(self) -> int:
         return self.engine.runner.block_size or DEFAULT_BLOCK_SIZE
@@ -153,7 +203,7 @@ def make_cost_model(setup: SimSetup) -> StepCostModel:
     return RooflineCostModel(
         setup.geometry(),
         setup.parsed_node(),
-        setup.tp,
+        setup.tp_degree(),
         mfu=setup.mfu,
         hbm_efficiency=setup.hbm_efficiency,
         step_overhead_s=setup.step_overhead_s,
@@ -186,7 +236,7 @@ def build_engine(
         config,
         tokenizer=None,
         vocab_size=vocab_size,
-        max_model_len=setup.max_model_len,
+        max_model_len=setup.model_len(),
         clock=clock,
         transport=make_transport(setup, clock),
     )
@@ -220,7 +270,11 @@ def run_simulation(
         driver = ReplayDriver(list(workload), time_scale)
     sim.run(driver)
     if setup.profile is not None:
-        model, node, tp, replicas = setup.model, "calibrated profile", 1, 1
+        assert isinstance(engine.executor, SimulatedRunner)
+        profiled = engine.executor.cost
+        assert isinstance(profiled, CalibratedCostModel)
+        model, node = profiled.profile.model, f"calibrated profile ({profiled.profile.device})"
+        tp, replicas = 1, 1
     else:
         node_obj = setup.parsed_node()
         tp = setup.tp_degree()
@@ -237,4 +291,5 @@ def run_simulation(
         replicas=replicas,
         cost_model=runner.cost.describe(),
         note=note,
+        warnings=setup.warnings(),
     )

@@ -1,10 +1,13 @@
 """`kvpilot calibrate`: measure the real engine's per-iteration cost and fit a step profile.
 
 The real engine (a local checkpoint, by default the built-in ``tiny``, on CPU) runs a fixed
-set of batches: lone prefills of many lengths, prefills continuing a cached prefix, decode
-batches of 1-16 sequences at several context lengths, and decodes mixed with a prefill
-chunk. Every `Engine.step` is timed whole (scheduler and bookkeeping included, which is what
-the simulator's clock must account for), and the profile is the least-squares fit, in
+set of batches across context length up to the model's limit (attention's cost grows with
+the context, and its quadratic term only shows at long ones): lone prefills of many
+lengths, prefills continuing a cached prefix, decode batches of 1-16 sequences at short
+contexts and at half and most of the limit (sharing one cached prefix, so that each long
+context is prefilled once), and decodes mixed with a prefill chunk. Every `Engine.step` is
+timed whole (scheduler and bookkeeping included, which is what the simulator's clock must
+account for), and the profile is the least-squares fit, in
 relative error and with non-negative coefficients, of::
 
     step_s = a + b * prefill_tokens + c * decode_seqs + d * kv_read_tokens + e * attention_pairs
@@ -12,9 +15,10 @@ relative error and with non-negative coefficients, of::
 `check_replay` then replays the same trace on the real engine and on the simulator with that
 profile (same engine config, same KV pool) and compares throughput and prefix hit rate.
 
-Time is measured as this process's CPU time (`ProcessClock`), with torch on one thread: on
-a shared machine wall time also counts other processes' turns on the cores, which is noise
-the profile must not learn.
+Time is measured as this process's CPU time, with torch on one thread: on a shared machine
+wall time also counts other processes' turns on the cores, which is noise the profile must
+not learn. A real replay's time is its steps' CPU time (`StepClock`): what the simulator
+models, without the harness that drives it.
 """
 
 from __future__ import annotations
@@ -33,16 +37,12 @@ from kvpilot.engine.clock import VirtualClock
 from kvpilot.engine.config import DEFAULT_BLOCK_SIZE, EngineConfig
 from kvpilot.engine.engine import Engine
 from kvpilot.engine.executor import Executor, SeqWork, StepOutput
+from kvpilot.engine.request import RequestOutput
 from kvpilot.engine.sampling import SamplingParams
 from kvpilot.errors import ConfigError
-from kvpilot.sim.cost_model import (
-    PROFILE_FEATURES,
-    BatchShape,
-    CalibratedCostModel,
-    StepProfile,
-    batch_shape,
-)
+from kvpilot.sim.cost_model import BatchShape, batch_shape
 from kvpilot.sim.drivers import ReplayDriver
+from kvpilot.sim.profile import PROFILE_FEATURES, CalibratedCostModel, StepProfile
 from kvpilot.sim.replay import ReplaySession
 from kvpilot.sim.runner import SimulatedRunner
 from kvpilot.sim.simulator import Simulator
@@ -54,18 +54,46 @@ def _block_size(config: EngineConfig) -> int:
     return config.runner.block_size or DEFAULT_BLOCK_SIZE
 
 
-class ProcessClock:
-    """A `Clock` reading this process's CPU time; ``sleep`` adds idle time without waiting."""
+class StepClock:
+    """The real engine's own time: this process's CPU time spent inside `Engine.step`, plus
+    idle time (``sleep`` adds it without waiting).
+
+    Calibration fits whole steps and the simulator charges nothing else, so on the real side
+    the harness that drives a replay (event loop, driver, submissions) must not count either:
+    only `MeasuredEngine.step` runs the clock.
+    """
 
     def __init__(self) -> None:
+        self._done = 0.0
         self._idle = 0.0
+        self._since: float | None = None
 
     def now(self) -> float:
-        return time.process_time() + self._idle
+        running = 0.0 if self._since is None else time.process_time() - self._since
+        return self._done + self._idle + running
 
     def sleep(self, seconds: float) -> None:
         if seconds > 0:
             self._idle += seconds
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[None]:
+        self._since = time.process_time()
+        try:
+            yield
+        finally:
+            self._done += time.process_time() - self._since
+            self._since = None
+
+
+class MeasuredEngine(Engine):
+    """The real engine, its `StepClock` running while it steps."""
+
+    def step(self, *, snapshots: bool = True) -> list[RequestOutput]:
+        clock = self.clock
+        assert isinstance(clock, StepClock)
+        with clock.running():
+            return super().step(snapshots=snapshots)
 
 
 class TimedExecutor:
@@ -75,14 +103,21 @@ class TimedExecutor:
         self.inner = inner
         self.block_size = inner.block_size
         self.num_blocks = inner.num_blocks
+        self.fingerprint = inner.fingerprint
         self.last_shape: BatchShape | None = None
+        self.max_context = 0  # the longest context any step reached
 
     def execute(self, works: Sequence[SeqWork]) -> StepOutput:
         self.last_shape = batch_shape(works)
+        for w in works:
+            self.max_context = max(self.max_context, w.start_pos + len(w.token_ids))
         return self.inner.execute(works)
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         self.inner.copy_blocks(pairs)
+
+    def poison_blocks(self, blocks: Sequence[int]) -> None:
+        self.inner.poison_blocks(blocks)
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,51 +163,76 @@ def real_engine(
         attention=config.runner.attention or "torch",
     )
     timed = TimedExecutor(runner)
-    engine = Engine(
+    engine = MeasuredEngine(
         timed,
         config,
         tokenizer=runner.tokenizer,
         eos_token_ids=runner.eos_token_ids,
         max_model_len=runner.max_model_len,
         vocab_size=runner.config.vocab_size,
-        clock=ProcessClock(),
+        clock=StepClock(),
     )
     return engine, timed
 
 
 @dataclass(frozen=True, slots=True)
 class _Episode:
-    """Prompts (with max_tokens) submitted together, after ``warm`` is prefilled alone."""
+    """Batches of prompts (with max_tokens), each submitted together and run to completion
+    in turn, on an empty prefix cache: later batches reuse what earlier ones cached."""
 
-    prompts: list[tuple[list[int], int]]
-    warm: list[int] | None = None
+    batches: list[list[tuple[list[int], int]]]
 
 
-def _episodes(rng: random.Random, vocab: int, quick: bool) -> list[_Episode]:
+def _long_contexts(limit: int, fractions: tuple[float, ...]) -> list[int]:
+    """Context lengths at ``fractions`` of ``limit``, past the short episodes' 2,000."""
+    return sorted({int(limit * f) for f in fractions if int(limit * f) > 2000})
+
+
+def _episodes(rng: random.Random, vocab: int, quick: bool, limit: int) -> list[_Episode]:
+    """The calibration batches for a model whose sequences may reach ``limit`` tokens."""
+
     def prompt(n: int) -> list[int]:
         return [rng.randrange(3, vocab) for _ in range(n)]
+
+    def one(prompts: list[tuple[list[int], int]]) -> _Episode:
+        return _Episode([prompts])
 
     if quick:
         lengths: tuple[int, ...] = (16, 200, 512, 1200)
         continuations: tuple[tuple[int, int], ...] = ((1000, 60), (600, 300))
         batch_sizes: tuple[int, ...] = (1, 2, 4, 12)
         contexts: tuple[int, ...] = (64, 800, 1600)
-        decode_steps, mixed = 6, (3,)
+        decode_steps = 6
+        mixed: tuple[int, ...] = (3,)
     else:
         lengths = (16, 64, 200, 400, 512, 900, 1500, 2000)
         continuations = ((1000, 24), (600, 200), (1200, 450))
         batch_sizes = (1, 2, 4, 8, 16)
         contexts = (32, 300, 800, 1500)
         decode_steps, mixed = 12, (2, 6)
-    episodes = [_Episode([(prompt(n), 2)]) for n in lengths]
+    episodes = [one([(prompt(n), 2)]) for n in lengths]
     for n, extra in continuations:
         base = prompt(n)
-        episodes.append(_Episode([([*base, *prompt(extra)], 2)], warm=base))
+        episodes.append(_Episode([[(base, 1)], [([*base, *prompt(extra)], 2)]]))
     for bs in batch_sizes:
         for ctx in contexts:
-            episodes.append(_Episode([(prompt(ctx), decode_steps) for _ in range(bs)]))
+            episodes.append(one([(prompt(ctx), decode_steps) for _ in range(bs)]))
     for bs in mixed:
-        episodes.append(_Episode([(prompt(300), 24) for _ in range(bs)] + [(prompt(1100), 2)]))
+        episodes.append(one([(prompt(300), 24) for _ in range(bs)] + [(prompt(1100), 2)]))
+    # Long contexts, up to the model's limit (leaving room for the decodes).
+    room = limit - 64
+    for n in _long_contexts(room, (0.7,) if quick else (0.4, 0.7, 0.97)):
+        episodes.append(one([(prompt(n), 2)]))
+    for n in _long_contexts(room, () if quick else (0.75,)):
+        base = prompt(n)
+        episodes.append(_Episode([[(base, 1)], [([*base, *prompt(300)], 2)]]))
+    long_batches = (1, 6) if quick else (1, 4, 12)
+    for n in _long_contexts(room, (0.85,) if quick else (0.5, 0.9)):
+        base = prompt(n)
+        batches = [[(base, 1)]]
+        batches += [[([*base, *prompt(8)], decode_steps) for _ in range(bs)] for bs in long_batches]
+        batches.append([([*base, *prompt(20)], 24) for _ in range(4)] + [(prompt(1100), 2)])
+        episodes.append(_Episode(batches))
     return episodes
 
 
@@ -211,7 +271,8 @@ def measure_steps(
     step. The prefix cache is emptied before each episode so hits are only the intended ones."""
     vocab = min(engine.vocab_size or 256, 250)
     rng = random.Random(seed)
-    episodes = _episodes(rng, vocab, quick)
+    limit = min(engine.max_model_len, engine.kv.device.num_blocks * engine.kv.block_size // 2)
+    episodes = _episodes(rng, vocab, quick, limit)
     plan = [ep for _ in range(rounds or (1 if quick else 2)) for ep in episodes]
     rng.shuffle(plan)
     warm_up(engine, timed)
@@ -219,9 +280,8 @@ def measure_steps(
     everything = engine.kv.device.num_blocks
     for i, episode in enumerate(plan):
         engine.kv.radix.evict(everything)
-        if episode.warm is not None:
-            _run_timed(engine, timed, [(episode.warm, 1)], samples)
-        _run_timed(engine, timed, episode.prompts, samples)
+        for batch in episode.batches:
+            _run_timed(engine, timed, batch, samples)
         if on_progress is not None:
             on_progress(i + 1, len(plan))
     return samples
@@ -236,6 +296,8 @@ def fit_profile(
     block_size: int = 16,
     copy_block_s: float = 0.0,
     trim: float = 0.1,
+    max_model_len: int = 0,
+    max_context_tokens: int = 0,
 ) -> StepProfile:
     """Least squares in relative error, coefficients >= 0, refit without the worst ``trim``."""
     if len(samples) < 2 * len(PROFILE_FEATURES):
@@ -263,6 +325,8 @@ def fit_profile(
         samples=len(samples),
         r2=1.0 - ss_res / ss_tot if ss_tot > 0 else 1.0,
         median_rel_error=float(np.median(rel)),
+        max_model_len=max_model_len,
+        max_context_tokens=max_context_tokens,
     )
 
 
@@ -303,6 +367,8 @@ def calibrate(
         dtype="float32",
         block_size=_block_size(config),
         copy_block_s=copy_s,
+        max_model_len=engine.max_model_len,
+        max_context_tokens=timed.max_context,
     )
 
 
@@ -321,6 +387,8 @@ class ReplayCheck:
     """The same replay on the real engine and on the simulator with a profile."""
 
     calls: int
+    prompt_tokens_min: int
+    prompt_tokens_max: int
     real_makespan_s: float
     sim_makespan_s: float
     real_tokens: int
@@ -349,6 +417,8 @@ class ReplayCheck:
     def to_json(self) -> dict[str, Any]:
         return {
             "calls": self.calls,
+            "prompt_tokens_min": self.prompt_tokens_min,
+            "prompt_tokens_max": self.prompt_tokens_max,
             "real_makespan_s": self.real_makespan_s,
             "sim_makespan_s": self.sim_makespan_s,
             "real_tokens_per_s": self.real_throughput,
@@ -410,7 +480,18 @@ def check_replay(
         clock=clock,
     )
     sim_s, sim_tokens, sim_hit, _ = _replay(simulated, sessions)
-    return ReplayCheck(calls, real_s, sim_s, real_tokens, sim_tokens, real_hit, sim_hit)
+    lengths = [len(c.prompt) for s in sessions for c in s.calls]
+    return ReplayCheck(
+        calls,
+        min(lengths),
+        max(lengths),
+        real_s,
+        sim_s,
+        real_tokens,
+        sim_tokens,
+        real_hit,
+        sim_hit,
+    )
 
 
 def tokenizer_of(model: str | Path = "tiny") -> Callable[[str], list[int]]:

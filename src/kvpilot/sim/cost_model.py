@@ -1,12 +1,15 @@
 """What one engine iteration costs: a roofline of the hardware preset, or a measured profile.
 
 The simulator's executor turns each scheduled batch into a `BatchShape` and asks a
-`StepCostModel` how long it takes. Two implementations:
+`StepCostModel` how long it takes. Two implementations: `RooflineCostModel` (here) and
+`kvpilot.sim.profile.CalibratedCostModel` (a least-squares fit of measured step times).
 
-`RooflineCostModel` (per device of one tensor-parallel group)::
+`RooflineCostModel` (per device of one tensor-parallel group), layer by layer::
 
-    flops    = 2 * P_active * new_tokens  +  4 * L * d_attn * attention_pairs
-    bytes    = weight_bytes / TP  +  m_token / TP * (kv_read_tokens + new_tokens)
+    flops    = 2 * P_active * new_tokens  +  4 * d_attn * (L_full * attention_pairs
+                                                         + sum_g L_g * window_pairs_g)
+    bytes    = weight_bytes / TP  +  m_layer / TP * (L_full * (kv_read_tokens + new_tokens)
+                                              + sum_g L_g * (window_kv_read_g + new_tokens))
     compute  = flops / TP / (peak_flops * mfu)
     memory   = bytes / (hbm_bw * hbm_efficiency)
     step     = max(compute, memory) + step_overhead_s
@@ -14,37 +17,25 @@ The simulator's executor turns each scheduled batch into a `BatchShape` and asks
 ``attention_pairs`` counts causal (query, key) pairs: a chunk of ``c`` tokens after ``p``
 cached ones attends to ``c * p + c * (c + 1) / 2`` pairs, so a monolithic prefill of ``S``
 tokens costs ``4 L d S (S + 1) / 2`` attention FLOPs: half the spec's ``4 L d S^2``, which
-counts the masked half of the square too. Weights are streamed once per step whatever the
+counts the masked half of the square too. A sliding-window layer group ``g`` of window
+``W`` reads at most ``W`` cached tokens and each query attends to at most ``W`` keys
+(``window_kv_read``, ``window_pairs``). Weights are streamed once per step whatever the
 batch (every expert of a mixture-of-experts model: an upper bound at large batch).
 
-`CalibratedCostModel` is a least-squares fit of measured step times (see `calibrate`)::
-
-    step = a + b * prefill_tokens + c * decode_seqs + d * kv_read_tokens + e * attention_pairs
+`decode_run_s` gives the durations of successive decode-only steps (the simulator's uniform
+decode runs), equal bit for bit to `step_time_s` of each step's shape.
 """
 
 from __future__ import annotations
 
-import json
-import math
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvpilot.engine.executor import SeqWork
 from kvpilot.errors import ConfigError
 from kvpilot.sizing.geometry import ModelGeometry
 from kvpilot.sizing.hardware import Node
-
-PROFILE_KIND = "kvpilot-step-profile"
-PROFILE_VERSION = 1
-PROFILE_FEATURES: tuple[str, ...] = (
-    "const",
-    "prefill_tokens",
-    "decode_seqs",
-    "kv_read_tokens",
-    "attention_pairs",
-)
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,7 +44,9 @@ class BatchShape:
 
     A work of one token is a decode (cost-wise a one-token prefill chunk is the same);
     longer works are prefill chunks. ``kv_read_tokens`` is the cached context every work
-    attends to (its ``start_pos``); ``new_tokens`` is the KV the step writes.
+    attends to (its ``start_pos``); ``new_tokens`` is the KV the step writes. For each
+    sliding window W of the cost model (``windows``), ``window_kv_read[i]`` and
+    ``window_pairs[i]`` are the same figures capped by the window.
     """
 
     num_seqs: int = 0
@@ -61,6 +54,8 @@ class BatchShape:
     decode_seqs: int = 0
     kv_read_tokens: int = 0
     attention_pairs: int = 0
+    window_kv_read: tuple[int, ...] = ()
+    window_pairs: tuple[int, ...] = ()
 
     @property
     def new_tokens(self) -> int:
@@ -77,8 +72,21 @@ class BatchShape:
         )
 
 
-def batch_shape(works: Sequence[SeqWork]) -> BatchShape:
+def window_pairs(c: int, p: int, window: int) -> int:
+    """Causal (query, key) pairs of a ``c``-token chunk after ``p`` cached tokens when each
+    query sees at most ``window`` keys (itself included): sum of min(q + 1, W), q = p..p+c-1."""
+    lo, hi = p + 1, p + c  # keys seen by the first and the last query, uncapped
+    if hi <= window:
+        return (lo + hi) * c // 2
+    if lo >= window:
+        return window * c
+    return (lo + window) * (window - lo + 1) // 2 + window * (hi - window)
+
+
+def batch_shape(works: Sequence[SeqWork], windows: Sequence[int] = ()) -> BatchShape:
     prefill = decode = kv_read = pairs = 0
+    w_read = [0] * len(windows)
+    w_pairs = [0] * len(windows)
     for w in works:  # hot path
         c = len(w.token_ids)
         p = w.start_pos
@@ -88,7 +96,10 @@ def batch_shape(works: Sequence[SeqWork]) -> BatchShape:
             prefill += c
         kv_read += p
         pairs += c * p + c * (c + 1) // 2
-    return BatchShape(len(works), prefill, decode, kv_read, pairs)
+        for i, size in enumerate(windows):
+            w_read[i] += min(p, size)
+            w_pairs[i] += window_pairs(c, p, size)
+    return BatchShape(len(works), prefill, decode, kv_read, pairs, tuple(w_read), tuple(w_pairs))
 
 
 def shape_of(
@@ -101,6 +112,24 @@ def shape_of(
     kv_read = p * seqs
     pairs = (c * p + c * (c + 1) // 2) + decode_seqs * (p + 1)
     return BatchShape(seqs, c, decode_seqs, kv_read, pairs)
+
+
+def decode_run_shape(
+    positions: Sequence[int], step: int, windows: Sequence[int] = ()
+) -> BatchShape:
+    """The shape of step ``step`` of a decode-only run of sequences at ``positions`` (their
+    ``start_pos`` at step 0): what `batch_shape` gives for that step's works."""
+    n = len(positions)
+    kv_read = sum(positions) + n * step
+    return BatchShape(
+        n,
+        0,
+        n,
+        kv_read,
+        kv_read + n,
+        tuple(sum(min(p + step, size) for p in positions) for size in windows),
+        tuple(sum(min(p + step + 1, size) for p in positions) for size in windows),
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,10 +153,21 @@ class StepCost:
 
 
 class StepCostModel(Protocol):
-    block_size: int
+    @property
+    def block_size(self) -> int: ...
+
+    @property
+    def windows(self) -> tuple[int, ...]:
+        """Sliding windows (tokens) whose capped figures `BatchShape` must carry."""
+        ...
 
     def step_time_s(self, shape: BatchShape) -> float:
         """Seconds one iteration of this shape takes."""
+        ...
+
+    def decode_run_s(self, positions: Sequence[int]) -> Iterator[float]:
+        """Seconds of each successive decode-only iteration of sequences at ``positions``
+        (each one token further per step): `step_time_s` of each step's shape, exactly."""
         ...
 
     def copy_time_s(self, num_blocks: int) -> float:
@@ -157,12 +197,16 @@ class RooflineCostModel:
     hbm_efficiency: float = 0.8
     step_overhead_s: float = 1e-3
     block_size: int = 16
-    # Per-step constants, derived once: seconds per linear token, per attention pair, of
-    # weight streaming, and per KV token moved.
+    # Per-step constants, derived once: seconds per linear token, per attention pair of the
+    # full layers, of weight streaming, per KV token of the full layers moved, and the same
+    # pair and KV figures for each window group.
     _s_per_token: float = field(init=False, repr=False, compare=False)
     _s_per_pair: float = field(init=False, repr=False, compare=False)
     _weights_s: float = field(init=False, repr=False, compare=False)
     _s_per_kv_token: float = field(init=False, repr=False, compare=False)
+    _windows: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    _s_per_window_pair: tuple[float, ...] = field(init=False, repr=False, compare=False)
+    _s_per_window_kv: tuple[float, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not 0.0 < self.mfu <= 1.0:
@@ -177,15 +221,24 @@ class RooflineCostModel:
                 f"tensor parallel degree {tp} must divide the {self.node.count} accelerators "
                 f"of {self.node.name}"
             )
-        self.geometry.kv_heads_per_device(tp)
         g = self.geometry
         flops_s = tp * self._flops_per_s()
         bytes_s = self._bytes_per_s()
         d_attn = g.num_attention_heads * g.head_dim
-        object.__setattr__(self, "_s_per_token", 2.0 * g.flops_params / flops_s)
-        object.__setattr__(self, "_s_per_pair", 4.0 * g.num_layers * d_attn / flops_s)
-        object.__setattr__(self, "_weights_s", g.weight_bytes(tp) / bytes_s)
-        object.__setattr__(self, "_s_per_kv_token", g.bytes_per_token(tp) / bytes_s)
+        layer_bytes = g.layer_bytes_per_token(tp)
+        groups: dict[int, int] = {}
+        for group in g.window_groups:
+            assert group.window_tokens is not None
+            groups[group.window_tokens] = groups.get(group.window_tokens, 0) + group.num_layers
+        windows = tuple(sorted(groups))
+        set_ = object.__setattr__
+        set_(self, "_s_per_token", 2.0 * g.flops_params / flops_s)
+        set_(self, "_s_per_pair", 4.0 * g.num_full_layers * d_attn / flops_s)
+        set_(self, "_weights_s", g.weight_bytes(tp) / bytes_s)
+        set_(self, "_s_per_kv_token", g.num_full_layers * layer_bytes / bytes_s)
+        set_(self, "_windows", windows)
+        set_(self, "_s_per_window_pair", tuple(4.0 * groups[w] * d_attn / flops_s for w in windows))
+        set_(self, "_s_per_window_kv", tuple(groups[w] * layer_bytes / bytes_s for w in windows))
 
     @property
     def tp_degree(self) -> int:
@@ -196,8 +249,13 @@ class RooflineCostModel:
         return self.node.count // self.tp_degree
 
     @property
+    def windows(self) -> tuple[int, ...]:
+        return self._windows
+
+    @property
     def kv_bytes_per_token(self) -> int:
-        """KV bytes of one token on one device of the TP group."""
+        """KV bytes of one token in every attention layer, on one device of the TP group:
+        what one slot of the engine's blocks holds (its blocks span every layer)."""
         return self.geometry.bytes_per_token(self.tp_degree)
 
     @property
@@ -215,11 +273,16 @@ class RooflineCostModel:
         tp = self.tp_degree
         linear = 2.0 * g.flops_params * shape.new_tokens
         d_attn = g.num_attention_heads * g.head_dim
-        attention = 4.0 * g.num_layers * d_attn * shape.attention_pairs
-        compute_s = (linear + attention) / tp / self._flops_per_s()
-        nbytes = g.weight_bytes(tp) + self.kv_bytes_per_token * (
+        attention = 4.0 * g.num_full_layers * d_attn * shape.attention_pairs
+        layer_bytes = g.layer_bytes_per_token(tp)
+        nbytes = g.weight_bytes(tp) + g.num_full_layers * layer_bytes * (
             shape.kv_read_tokens + shape.new_tokens
         )
+        for group in g.window_groups:
+            i = self._windows.index(group.window_tokens or 0)
+            attention += 4.0 * group.num_layers * d_attn * shape.window_pairs[i]
+            nbytes += group.num_layers * layer_bytes * (shape.window_kv_read[i] + shape.new_tokens)
+        compute_s = (linear + attention) / tp / self._flops_per_s()
         memory_s = nbytes / self._bytes_per_s()
         overhead = self.step_overhead_s if shape.num_seqs else 0.0
         return StepCost(linear, attention, compute_s, nbytes, memory_s, overhead)
@@ -230,7 +293,29 @@ class RooflineCostModel:
         new = shape.prefill_tokens + shape.decode_seqs
         compute = self._s_per_token * new + self._s_per_pair * shape.attention_pairs
         memory = self._weights_s + self._s_per_kv_token * (shape.kv_read_tokens + new)
+        for i, s_pair in enumerate(self._s_per_window_pair):
+            compute += s_pair * shape.window_pairs[i]
+            memory += self._s_per_window_kv[i] * (shape.window_kv_read[i] + new)
         return (compute if compute > memory else memory) + self.step_overhead_s
+
+    def decode_run_s(self, positions: Sequence[int]) -> Iterator[float]:
+        n = len(positions)
+        kv_read = sum(positions)
+        windows = self._windows
+        step = 0
+        while True:  # hot path: the same operations, in the same order, as step_time_s
+            compute = self._s_per_token * n + self._s_per_pair * (kv_read + n)
+            memory = self._weights_s + self._s_per_kv_token * (kv_read + n)
+            for i, size in enumerate(windows):
+                compute += self._s_per_window_pair[i] * sum(
+                    min(p + step + 1, size) for p in positions
+                )
+                memory += self._s_per_window_kv[i] * (
+                    sum(min(p + step, size) for p in positions) + n
+                )
+            yield (compute if compute > memory else memory) + self.step_overhead_s
+            kv_read += n
+            step += 1
 
     def copy_time_s(self, num_blocks: int) -> float:
         # A device-internal copy reads and writes every byte once.
@@ -245,123 +330,10 @@ class RooflineCostModel:
 
     def describe(self) -> str:
         a = self.node.accelerator
+        hybrid = f", {self.geometry.describe_layers()}" if self.geometry.is_hybrid else ""
         return (
-            f"roofline {self.geometry.name} on {self.node.name} (TP={self.tp_degree}): "
+            f"roofline {self.geometry.name} on {self.node.name} (TP={self.tp_degree}{hybrid}): "
             f"{a.peak_flops / 1e12:.0f} TFLOP/s x MFU {self.mfu:.2f}, "
             f"{a.hbm_bw_bytes_s / 1e12:.2f} TB/s x {self.hbm_efficiency:.2f}, "
             f"+{self.step_overhead_s * 1e3:.1f} ms/step"
-        )
-
-
-@dataclass(frozen=True, slots=True)
-class StepProfile:
-    """A measured per-iteration cost profile (the JSON ``kvpilot calibrate`` writes)."""
-
-    model: str
-    device: str
-    dtype: str
-    block_size: int
-    coefficients_s: tuple[float, ...]
-    copy_block_s: float
-    samples: int
-    r2: float
-    median_rel_error: float
-    features: tuple[str, ...] = PROFILE_FEATURES
-
-    def __post_init__(self) -> None:
-        if tuple(self.features) != PROFILE_FEATURES:
-            raise ConfigError(
-                f"profile features {list(self.features)} are not {list(PROFILE_FEATURES)}; "
-                f"recalibrate with this version of kvpilot"
-            )
-        if len(self.coefficients_s) != len(PROFILE_FEATURES):
-            raise ConfigError(
-                f"a profile needs {len(PROFILE_FEATURES)} coefficients, "
-                f"got {len(self.coefficients_s)}"
-            )
-
-    def to_json(self) -> dict[str, object]:
-        data = asdict(self)
-        data["coefficients_s"] = dict(zip(PROFILE_FEATURES, self.coefficients_s, strict=True))
-        data.pop("features")
-        return {"kind": PROFILE_KIND, "version": PROFILE_VERSION, **data}
-
-    def save(self, path: Path | str) -> None:
-        Path(path).write_text(json.dumps(self.to_json(), indent=2) + "\n")
-
-    @classmethod
-    def from_json(cls, data: object, source: str = "profile") -> StepProfile:
-        if not isinstance(data, dict) or data.get("kind") != PROFILE_KIND:
-            raise ConfigError(f"{source} is not a kvpilot step profile (kind {PROFILE_KIND!r})")
-        if data.get("version") != PROFILE_VERSION:
-            raise ConfigError(
-                f"{source}: profile version {data.get('version')!r}, this kvpilot reads "
-                f"version {PROFILE_VERSION}; recalibrate"
-            )
-        try:
-            coeffs = data["coefficients_s"]
-            if not isinstance(coeffs, dict):
-                raise TypeError("coefficients_s must be an object")
-            missing = [f for f in PROFILE_FEATURES if f not in coeffs]
-            if missing:
-                raise KeyError(f"coefficients_s lacks {missing}")
-            return cls(
-                model=str(data["model"]),
-                device=str(data["device"]),
-                dtype=str(data["dtype"]),
-                block_size=int(data["block_size"]),
-                coefficients_s=tuple(float(coeffs[f]) for f in PROFILE_FEATURES),
-                copy_block_s=float(data["copy_block_s"]),
-                samples=int(data["samples"]),
-                r2=float(data["r2"]),
-                median_rel_error=float(data["median_rel_error"]),
-            )
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ConfigError(f"{source}: malformed step profile ({exc})") from exc
-
-    @classmethod
-    def load(cls, path: Path | str) -> StepProfile:
-        p = Path(path)
-        try:
-            data = json.loads(p.read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise ConfigError(f"cannot read step profile {p}: {exc}") from exc
-        return cls.from_json(data, str(p))
-
-
-@dataclass(frozen=True, slots=True)
-class CalibratedCostModel:
-    """Step times from a measured `StepProfile` (linear in the `BatchShape` features)."""
-
-    profile: StepProfile
-
-    @property
-    def block_size(self) -> int:
-        return self.profile.block_size
-
-    def step_time_s(self, shape: BatchShape) -> float:
-        if not shape.num_seqs:
-            return 0.0
-        c = self.profile.coefficients_s
-        t = (
-            c[0]
-            + c[1] * shape.prefill_tokens
-            + c[2] * shape.decode_seqs
-            + c[3] * shape.kv_read_tokens
-            + c[4] * shape.attention_pairs
-        )
-        return max(t, 0.0)
-
-    def copy_time_s(self, num_blocks: int) -> float:
-        return num_blocks * self.profile.copy_block_s
-
-    def prefill_tokens_per_s(self) -> float:
-        per_token = self.profile.coefficients_s[1]
-        return 1.0 / per_token if per_token > 0 else math.inf
-
-    def describe(self) -> str:
-        p = self.profile
-        return (
-            f"calibrated profile of {p.model} on {p.device} ({p.samples} steps, "
-            f"R^2 {p.r2:.3f}, median error {p.median_rel_error:.1%})"
         )

@@ -123,7 +123,8 @@ def parse_dist(value: Any, where: str) -> Dist:
         )
     try:
         params = [float(spec[n]) for n in names]
-        return Dist(kind, *params, lo=float(lo), hi=float(hi))
+        b = params[1] if len(params) > 1 else 0.0
+        return Dist(kind, params[0], b, lo=float(lo), hi=float(hi))
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{where}: distribution parameters must be numbers ({exc})") from exc
     except ConfigError as exc:

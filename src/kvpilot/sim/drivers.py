@@ -11,11 +11,13 @@ unstable layout each call re-sends the whole context with a fresh volatile token
 session (the old one closes; its blocks stay in the prefix cache), so the cache can reuse
 only what precedes the volatile token.
 
-`ReplayDriver` sends each recorded call as a whole prompt (see `kvpilot.sim.replay`).
+`ReplayDriver` replays recorded sessions as engine sessions, the trace's gaps as tool waits
+(see `ReplayDriver` and `kvpilot.sim.replay`).
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import random
 from dataclasses import dataclass
@@ -200,7 +202,20 @@ class AgentDriver:
 
 
 class ReplayDriver:
-    """Replays sessions: call i+1 at its recorded offset x ``time_scale``, after call i ends."""
+    """Replays recorded sessions, each as an engine session, the trace's gaps as tool waits.
+
+    A session starts at its first call's offset x ``time_scale``. When call i finishes, the
+    session pauses for the recorded gap to call i+1, ``(offset[i+1] - offset[i]) x
+    time_scale``, announcing that wait (tool ``trace``), so the engine's pause policy decides
+    whether its KV is retained, offloaded or dropped meanwhile; then call i+1 is sent. A
+    recorded gap also holds the recorded model's generation time, so these waits are an
+    upper bound on the tool time. ``time_scale=0`` sends calls back to back, with no pauses.
+
+    A call whose prompt extends the session's tokens is the session's next turn; any other
+    (the usual case: the prompt holds the recorded reply, not the simulated one) restarts the
+    session on the whole prompt, as ``kvpilot serve`` does for a diverging history: the radix
+    cache serves the shared prefix from whatever tier holds it.
+    """
 
     def __init__(self, sessions: list[ReplaySession], time_scale: float = 1.0) -> None:
         if time_scale < 0:
@@ -211,6 +226,8 @@ class ReplayDriver:
         self.completed = 0
         self.calls = 0
         self.rejected = 0
+        self.restarts = 0
+        self.pauses = 0
         self._sim: Simulator | None = None
 
     def counters(self) -> dict[str, int]:
@@ -219,33 +236,54 @@ class ReplayDriver:
             "trajectories_completed": self.completed,
             "calls": self.calls,
             "calls_rejected": self.rejected,
+            "session_restarts": self.restarts,
+            "tool_pauses": self.pauses,
+            "empty_calls_skipped": sum(s.empty_calls for s in self.sessions),
         }
+
+    @property
+    def sim(self) -> Simulator:
+        assert self._sim is not None, "start() the driver first"
+        return self._sim
 
     def start(self, sim: Simulator) -> None:
         self._sim = sim
         for session in self.sessions:
             t = session.calls[0].offset_s * self.time_scale
-            sim.at(t, lambda s=session: self._begin(s))
+            sim.at(t, functools.partial(self._begin, session))
 
-    def _begin(self, session: ReplaySession) -> None:
+    def _begin(self, replay: ReplaySession) -> None:
         self.started += 1
-        self._send(session, 0)
+        self._send(replay, self.sim.engine.open_session(), 0)
 
-    def _send(self, session: ReplaySession, i: int) -> None:
-        sim = self._sim
-        assert sim is not None
-        call = session.calls[i]
+    def _send(self, replay: ReplaySession, session: Session, i: int) -> None:
+        sim = self.sim
+        call = replay.calls[i]
         self.calls += 1
-        rid = sim.submit(call.prompt, call.output_tokens, lambda _out: self._done(session, i))
+        history = session.traj.tokens
+        prompt: tuple[int, ...] | list[int] = call.prompt
+        if history:
+            if len(prompt) > len(history) and list(prompt[: len(history)]) == history:
+                prompt = prompt[len(history) :]
+            else:
+                self.restarts += 1
+                session.close()
+                session = sim.engine.open_session()
+        rid = sim.submit(
+            prompt, call.output_tokens, lambda _out: self._done(replay, session, i), session=session
+        )
         if rid is None:
             self.rejected += 1
-            self._done(session, i)
+            self._done(replay, session, i)
 
-    def _done(self, session: ReplaySession, i: int) -> None:
-        sim = self._sim
-        assert sim is not None
-        if i + 1 >= len(session.calls):
+    def _done(self, replay: ReplaySession, session: Session, i: int) -> None:
+        sim = self.sim
+        if i + 1 >= len(replay.calls):
             self.completed += 1
+            session.close()
             return
-        t = max(sim.now, session.calls[i + 1].offset_s * self.time_scale)
-        sim.at(t, lambda: self._send(session, i + 1))
+        wait = (replay.calls[i + 1].offset_s - replay.calls[i].offset_s) * self.time_scale
+        if wait > 0 and session.active_request is None and not session.closed:
+            session.pause(wait, "trace")
+            self.pauses += 1
+        sim.after(wait, lambda: self._send(replay, session, i + 1))

@@ -6,7 +6,9 @@
 * ``policies.png``: the policy comparison;
 * ``breakeven.png``: resume latency against pause duration for retain / offload /
   recompute, and the decision regimes over context length and wait (Figure 10);
-* ``capacity.png``: trajectories a node holds by context length, cold and shared (Table 7);
+* ``capacity.png``: trajectories a node holds by context length, cold and shared (Table 7):
+  the figures of `kvpilot plan` (drawn from `make_plan` results), its assumptions in the
+  title;
 * `plot_trace_diagnosis`: the figure of ``kvpilot trace analyze --plot``.
 
 Figures are drawn on `matplotlib.figure.Figure` objects, never through pyplot, so nothing
@@ -28,7 +30,7 @@ from kvpilot.policy.breakeven import PauseAction, decide_pause
 from kvpilot.sim.report import SimResult
 from kvpilot.sizing.geometry import ModelGeometry
 from kvpilot.sizing.hardware import Node
-from kvpilot.sizing.plan import DEFAULT_RESERVE_BYTES_PER_DEVICE, max_concurrency, memory_budget
+from kvpilot.sizing.plan import Plan
 from kvpilot.sizing.plan import pause_inputs as plan_pause_inputs
 from kvpilot.trace.analyze import TraceDiagnosis
 
@@ -39,6 +41,15 @@ _ACTION_ORDER = (
     PauseAction.DROP,
 )
 _ACTION_COLORS = ("#4c9f70", "#4a7fc1", "#8e6bbf", "#d0664f")
+# One colour per latency metric, in every panel: TTFT blue, ITL orange; p99 dashed.
+_LATENCY_STYLE = {
+    "ttft_p50_s": ("TTFT p50", "#1f77b4", "-"),
+    "ttft_p99_s": ("TTFT p99", "#1f77b4", "--"),
+    "itl_p50_s": ("ITL p50", "#ff7f0e", "-"),
+    "itl_p99_s": ("ITL p99", "#ff7f0e", "--"),
+}
+# Capacity bars: per node, cold then shared, from these pairs.
+_CAPACITY_COLORS = (("#9ecae1", "#3182bd"), ("#fdae6b", "#e6550d"), ("#a1d99b", "#31a354"))
 
 
 def _save(fig: Figure, path: Path) -> Path:
@@ -72,19 +83,21 @@ def plot_kv_usage(result: SimResult, path: Path, tau_high: float | None = None) 
 
 
 def plot_latency(result: SimResult, path: Path) -> Path:
+    """``latency.png``: `latency_figure` saved to ``path``."""
+    return _save(latency_figure(result), path)
+
+
+def latency_figure(result: SimResult) -> Figure:
+    """Latency percentiles over time (left) and against KV occupancy (right), each metric in
+    the same colour in both panels."""
     s = result.samples
     t = s["time_s"] / 60.0
     fig = Figure(figsize=(11, 4.5))
     left, right = fig.subplots(1, 2)
-    for key, label, style in (
-        ("ttft_p50_s", "TTFT p50", "-"),
-        ("ttft_p99_s", "TTFT p99", "--"),
-        ("itl_p50_s", "ITL p50", "-"),
-        ("itl_p99_s", "ITL p99", "--"),
-    ):
+    for key, (label, color, style) in _LATENCY_STYLE.items():
         ms = 1e3 * s[key]
         ok = np.isfinite(ms)
-        left.plot(t[ok], ms[ok], style, label=label, lw=1)
+        left.plot(t[ok], ms[ok], style, color=color, label=label, lw=1)
     left.set_yscale("log")
     left.set_xlabel("time (min)")
     left.set_ylabel("latency (ms)")
@@ -94,12 +107,8 @@ def plot_latency(result: SimResult, path: Path) -> Path:
     usage = s["kv_usage"]
     edges = np.linspace(0.0, 1.0, 21)
     centers = (edges[:-1] + edges[1:]) / 2
-    for key, label, reduce, style in (
-        ("itl_p50_s", "ITL p50", np.nanmedian, "-o"),
-        ("itl_p99_s", "ITL p99", np.nanmax, "--o"),
-        ("ttft_p50_s", "TTFT p50", np.nanmedian, "-s"),
-        ("ttft_p99_s", "TTFT p99", np.nanmax, "--s"),
-    ):
+    for key, (label, color, style) in _LATENCY_STYLE.items():
+        reduce = np.nanmedian if key.endswith("p50_s") else np.nanmax
         values = s[key]
         ys = []
         for lo, hi in itertools.pairwise(edges):
@@ -107,13 +116,16 @@ def plot_latency(result: SimResult, path: Path) -> Path:
             ys.append(1e3 * float(reduce(sel)) if len(sel) else math.nan)
         y = np.asarray(ys)
         ok = np.isfinite(y)
-        right.plot(100 * centers[ok], y[ok], style, label=label, ms=3, lw=1)
+        marker = "o" if key.startswith("itl") else "s"
+        right.plot(
+            100 * centers[ok], y[ok], style, marker=marker, color=color, label=label, ms=3, lw=1
+        )
     right.set_yscale("log")
     right.set_xlabel("KV pool occupancy U_KV (%)")
     right.set_ylabel("latency (ms)")
     right.set_title("latency against KV occupancy")
     right.legend(fontsize=8)
-    return _save(fig, path)
+    return fig
 
 
 def plot_policy_comparison(results: Sequence[SimResult], path: Path) -> Path:
@@ -164,7 +176,7 @@ def plot_breakeven(
     left.set_yscale("log")
     left.set_xlabel("tool pause (s)")
     left.set_ylabel("resume latency (s)")
-    gib = context_tokens * geometry.group_bytes_per_token(tp) / 2**30
+    gib = geometry.kv_bytes(context_tokens, tp) * tp / 2**30
     left.set_title(f"{geometry.name}, S = {context_tokens:,} tokens ({gib:.1f} GiB)")
     held = left.twinx()
     held.plot(waits, gib * 2**30 / 1e9 * waits, color="#4c9f70", ls="--", lw=1)
@@ -193,54 +205,64 @@ def plot_breakeven(
 
 
 def plot_capacity(
-    geometry: ModelGeometry,
-    nodes: Sequence[Node],
-    path: Path,
-    contexts: Sequence[int] = (8192, 32768, 65536, 131072),
-    shared_fraction: float = 0.6,
-    headroom: float = 0.1,
-    reserve_bytes_per_device: float = DEFAULT_RESERVE_BYTES_PER_DEVICE,
-    observed: dict[str, float] | None = None,
+    plans: Sequence[Plan], path: Path, observed: dict[str, float] | None = None
 ) -> Path:
-    """Concurrency by context length (eq. 6 cold, eq. 7 with a shared fraction), per node.
+    """``capacity.png``: `capacity_figure` saved to ``path``."""
+    return _save(capacity_figure(plans, observed), path)
+
+
+def capacity_figure(plans: Sequence[Plan], observed: dict[str, float] | None = None) -> Figure:
+    """Trajectories per node by context length, cold (eq. 6) and sharing a prefix (eq. 7):
+    the rows of ``plans`` (one per node, from `make_plan`), so the bars are the figures
+    `kvpilot plan` prints. The title states the plan's assumptions.
 
     ``observed`` adds horizontal marks (e.g. the peak trajectories holding KV in a run).
     """
-    fig = Figure(figsize=(9, 4.5))
+    if not plans:
+        raise ValueError("plot_capacity needs at least one plan")
+    first = plans[0]
+    contexts = [row.context_tokens for row in first.capacity]
+    fig = Figure(figsize=(9, 4.8))
     ax = fig.subplots()
-    width = 0.8 / (2 * len(nodes))
+    width = 0.8 / (2 * len(plans))
     x = np.arange(len(contexts))
-    for k, node in enumerate(nodes):
-        tp = node.count
-        budget = memory_budget(geometry, node, tp, reserve_bytes_per_device)
-        pool = budget.pool_bytes_per_device * tp
-        per_token = geometry.group_bytes_per_token(tp)
-        replicas = budget.replicas
-        cold = [max_concurrency(pool, per_token, c, 0, 0, headroom) or 0 for c in contexts]
-        shared = [
-            max_concurrency(pool, per_token, c, 0, int(shared_fraction * c), headroom) or 0
-            for c in contexts
-        ]
-        off = (2 * k - len(nodes)) * width + width / 2
-        bars = ax.bar(x + off, [replicas * v for v in cold], width, label=f"{node.name} cold")
+    for k, plan in enumerate(plans):
+        b = plan.budget
+        layout = f"{plan.node} TP {b.tp}" + (f" x {b.replicas}" if b.replicas > 1 else "")
+        cold_color, shared_color = _CAPACITY_COLORS[k % len(_CAPACITY_COLORS)]
+        off = (2 * k - len(plans)) * width + width / 2
+        bars = ax.bar(
+            x + off,
+            [r.cold for r in plan.capacity],
+            width,
+            color=cold_color,
+            label=f"{layout} cold",
+        )
         ax.bar_label(bars, fontsize=7)
         bars = ax.bar(
             x + off + width,
-            [replicas * v for v in shared],
+            [r.shared or 0 for r in plan.capacity],
             width,
-            label=f"{node.name} {shared_fraction:.0%} shared",
+            color=shared_color,
+            label=f"{layout} shared {plan.shared_tokens:,} tokens",
         )
         ax.bar_label(bars, fontsize=7)
     for label, value in (observed or {}).items():
         ax.axhline(value, ls="--", lw=1, color="black")
         ax.annotate(label, (len(contexts) - 0.5, value), fontsize=8, ha="right", va="bottom")
-    ax.set_xticks(x, [f"{c // 1024}k" for c in contexts])
-    ax.set_xlabel("context per trajectory (M + K tokens)")
-    ax.set_ylabel("concurrent trajectories")
+    ax.set_xticks(x, [f"{c:,}" for c in contexts])
+    ax.set_xlabel("context per trajectory (tokens)")
+    ax.set_ylabel("concurrent trajectories per node")
     ax.set_yscale("log")
-    ax.set_title(f"capacity envelope: {geometry.name}, {headroom:.0%} headroom")
+    reserve = first.budget.reserve_bytes_per_device / 1e9
+    ax.set_title(
+        f"capacity (kvpilot plan): {first.model}, weights {first.weight_dtype}, KV "
+        f"{first.kv_dtype}\noutput {first.output_tokens:,} tokens, headroom "
+        f"{first.headroom:.0%}, reserve {reserve:g} GB per device",
+        fontsize=9,
+    )
     ax.legend(fontsize=8)
-    return _save(fig, path)
+    return fig
 
 
 def plot_trace_diagnosis(d: TraceDiagnosis, path: Path) -> Path:

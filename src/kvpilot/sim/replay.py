@@ -1,9 +1,15 @@
 """Recorded agent traces as replayable sessions of token-id calls.
 
-Each call is replayed as a whole prompt (an ordinary request): the engine's radix cache finds
-what it shares with earlier calls, as a real server's would. A session's calls run in order:
-call i+1 is sent at its recorded offset (scaled by ``time_scale``), but never before call i
-has finished. ``time_scale=0`` sends each call as soon as the previous one is done.
+Each recorded session is replayed as an engine session (see `kvpilot.sim.drivers.
+ReplayDriver`): a call whose prompt extends what the session holds is its next turn; one
+that does not (a resent history, whose recorded reply differs from what the simulated model
+generated) restarts the session on the whole prompt, and the radix cache finds what it
+shares with earlier calls, as a real server's would.
+
+Calls with an empty prompt are dropped (counted in ``ReplaySession.empty_calls``). The
+replay limits of `ReplayOptions` (``max_sessions``, ``max_calls``, ``max_call_tokens``,
+``head_tokens``, ``max_output_tokens``) are the CLI's ``--sessions``, ``--calls``,
+``--max-call-tokens``, ``--head-tokens`` and ``--max-output-tokens``.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ class ReplayCall:
 class ReplaySession:
     session_id: str
     calls: tuple[ReplayCall, ...]
+    empty_calls: int = 0
 
     @property
     def prompt_tokens(self) -> int:
@@ -50,7 +57,9 @@ class ReplayOptions:
     ``tokenize`` maps text to ids (default: `CharsPerToken` with ``chars_per_token``).
     ``head_tokens``/``max_call_tokens`` shrink a session to fit a small model: the prefix all
     its calls share is cut down to ``head_tokens`` (from its start, so prefix relations are
-    unchanged), then calls longer than ``max_call_tokens`` end the session.
+    unchanged), then calls longer than ``max_call_tokens`` end the session. A session keeps
+    at most ``max_calls`` calls; at most ``max_sessions`` sessions with ``min_calls`` calls
+    or more are replayed.
     """
 
     vocab_size: int = 32000
@@ -62,7 +71,33 @@ class ReplayOptions:
     head_tokens: int | None = None
     max_call_tokens: int | None = None
     max_sessions: int | None = None
+    max_calls: int | None = None
     min_calls: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("max_output_tokens", "head_tokens", "max_call_tokens"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+        if self.max_sessions is not None and self.max_sessions < 1:
+            raise ConfigError(f"--sessions must be at least 1, got {self.max_sessions}")
+        if self.max_calls is not None and self.max_calls < 1:
+            raise ConfigError(f"--calls must be at least 1, got {self.max_calls}")
+
+    def describe(self) -> str:
+        """The limits in force, as the CLI flags that set them."""
+        parts = [
+            f"--{flag} {value:,}"
+            for flag, value in (
+                ("sessions", self.max_sessions),
+                ("calls", self.max_calls),
+                ("max-call-tokens", self.max_call_tokens),
+                ("head-tokens", self.head_tokens),
+                ("max-output-tokens", self.max_output_tokens),
+            )
+            if value is not None
+        ]
+        return " ".join(parts) if parts else "no limits"
 
 
 def load_replay(paths: Sequence[Path | str], options: ReplayOptions) -> list[ReplaySession]:
@@ -78,21 +113,35 @@ def load_replay(paths: Sequence[Path | str], options: ReplayOptions) -> list[Rep
         raw = _hashed_sessions(paths, options)
     sessions: list[ReplaySession] = []
     t0 = min((calls[0][2] for _, calls in raw if calls), default=0.0)
-    for sid, calls in raw:
+    shortest: int | None = None  # the shortest first call, for the error below
+    for sid, all_calls in raw:
+        calls = [c for c in all_calls if c[0]]
+        empty = len(all_calls) - len(calls)
         prompts = [c[0] for c in calls]
+        if prompts and (shortest is None or len(prompts[0]) < shortest):
+            shortest = len(prompts[0])
         if options.head_tokens is not None or options.max_call_tokens is not None:
             prompts = shrink_session(prompts, options.head_tokens, options.max_call_tokens)
+        if options.max_calls is not None:
+            prompts = prompts[: options.max_calls]
         if len(prompts) < max(1, options.min_calls):
             continue
         replay = tuple(
             ReplayCall(tuple(p), _cap(out, options.max_output_tokens), ts - t0)
             for p, (_, out, ts) in zip(prompts, calls, strict=False)
         )
-        sessions.append(ReplaySession(sid, replay))
+        sessions.append(ReplaySession(sid, replay, empty))
         if options.max_sessions is not None and len(sessions) >= options.max_sessions:
             break
     if not sessions:
-        raise ConfigError("the trace holds no session that fits the replay limits")
+        hint = f" (limits: {options.describe()}; min {options.min_calls} calls a session)"
+        cap = options.max_call_tokens
+        if shortest is not None and cap is not None and shortest > cap:
+            hint += (
+                f"; the shortest first call has {shortest:,} tokens: raise --max-call-tokens "
+                f"or cut the shared head with --head-tokens"
+            )
+        raise ConfigError(f"the trace holds no session that fits the replay limits{hint}")
     return sessions
 
 

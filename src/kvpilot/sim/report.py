@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
@@ -16,8 +17,9 @@ from kvpilot.engine.snapshot import EngineSnapshot
 from kvpilot.memory.tiers import Tier
 from kvpilot.sim.runner import SimulatedRunner
 from kvpilot.sim.simulator import Simulator
-from kvpilot.units import format_count as _si
-from kvpilot.units import format_duration as _ms
+from kvpilot.units import format_bytes, format_count, format_seconds
+
+_t, _si = format_seconds, format_count  # short names for the long table rows
 
 _SPARK = "▁▂▃▄▅▆▇█"
 
@@ -58,6 +60,7 @@ class SimResult:
     samples: dict[str, np.ndarray]
     note: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    warnings: tuple[str, ...] = ()
 
     @classmethod
     def collect(
@@ -72,6 +75,7 @@ class SimResult:
         replicas: int,
         cost_model: str,
         note: str | None = None,
+        warnings: tuple[str, ...] = (),
     ) -> SimResult:
         engine: Engine = sim.engine
         runner = engine.executor
@@ -113,6 +117,7 @@ class SimResult:
             samples=sim.samples.as_arrays(),
             note=note,
             extra=tier_figures(snap),
+            warnings=warnings,
         )
 
     # -- derived figures -----------------------------------------------------------------
@@ -161,6 +166,7 @@ class SimResult:
             "block_size": self.block_size,
             "cost_model": self.cost_model,
             "note": self.note,
+            "warnings": list(self.warnings),
             "duration_s": self.duration_s,
             "wall_s": self.wall_s,
             "sim_s_per_wall_s": self.sim_s_per_wall_s,
@@ -252,8 +258,8 @@ def print_result(console: Console, r: SimResult) -> None:
             f"({r.counters.get('trajectories_completed', 0)} done, "
             f"{r.counters.get('trajectories_started', 0)} started)",
         ),
-        ("TTFT p50 / p99", f"{_ms(s['ttft_p50_s'])} / {_ms(s['ttft_p99_s'])}"),
-        ("ITL p50 / p99", f"{_ms(s['itl_p50_s'])} / {_ms(s['itl_p99_s'])}"),
+        ("TTFT p50 / p99", f"{_t(s['ttft_p50_s'])} / {_t(s['ttft_p99_s'])}"),
+        ("ITL p50 / p99", f"{_t(s['itl_p50_s'])} / {_t(s['itl_p99_s'])}"),
         (
             "KV usage",
             f"mean {s['kv_usage_mean']:.0%}, max {s['kv_usage_max']:.0%}; held (not "
@@ -263,14 +269,15 @@ def print_result(console: Console, r: SimResult) -> None:
         ("prefix hit rate", f"{r.hit_rate:.1%} (radix {r.radix_hit_rate:.1%})"),
         (
             "recomputed tokens",
-            f"{_si(r.recomputed_tokens)} by {r.preemptions:,} preemptions; "
+            f"{format_count(r.recomputed_tokens)} by {r.preemptions:,} preemptions; "
             f"{_si(r.extra.get('engine_recomputed_tokens', 0))} computed again after their KV "
             f"was dropped or evicted",
         ),
         (
             "bytes moved",
-            f"{_si(r.bytes_moved)}B between tiers ({r.extra.get('host_blocks', 0):,} host "
-            f"blocks); {r.fork_copied_blocks:,} fork tail blocks copied",
+            f"{format_bytes(r.bytes_moved)} between tiers (host tier "
+            f"{r.extra.get('host_blocks', 0):,} blocks); {r.fork_copied_blocks:,} fork tail "
+            "blocks copied",
         ),
         (
             "pause decisions",
@@ -296,25 +303,38 @@ def print_result(console: Console, r: SimResult) -> None:
     console.print(table)
     if r.note:
         console.print(f"[yellow]note:[/yellow] {r.note}")
+    for warning in r.warnings:
+        console.print(f"[yellow]warning:[/yellow] {warning}")
 
 
 def print_comparison(console: Console, results: Sequence[SimResult]) -> None:
-    table = Table(title="policy comparison (same workload, same seed)", title_justify="left")
+    # Two-line headers, one space between columns, no vertical rules: eleven columns fit
+    # a 100-column terminal (about 85 wide with the longest policy names).
+    table = Table(
+        title="policy comparison (same workload, same seed)",
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+        collapse_padding=True,
+        pad_edge=False,
+    )
     columns = (
         "policy",
-        "out tok/s",
-        "traj/h",
-        "TTFT p50",
-        "TTFT p99",
-        "ITL p99",
-        "hit rate",
-        "KV held",
-        "moved",
-        "recomputed",
-        "blocked",
+        "output\ntok/s",
+        "traj.\nper h",
+        "TTFT\np50",
+        "TTFT\np99",
+        "ITL\np99",
+        "hit\nrate",
+        "KV held\n(mean)",
+        "KV\nmoved",
+        "recomp.\ntokens",
+        "engine\nblocked",
     )
     for col in columns:
-        table.add_column(col, justify="left" if col == "policy" else "right")
+        if col == "policy":
+            table.add_column(col, no_wrap=True)
+        else:
+            table.add_column(col, justify="right", no_wrap=True)
     for r in results:
         s = r.summary()
         recomputed = r.recomputed_tokens + int(r.extra.get("engine_recomputed_tokens", 0))
@@ -322,13 +342,13 @@ def print_comparison(console: Console, results: Sequence[SimResult]) -> None:
             r.label,
             f"{s['output_tokens_per_s']:,.0f}",
             f"{s['trajectories_per_hour']:,.1f}",
-            _ms(s["ttft_p50_s"]),
-            _ms(s["ttft_p99_s"]),
-            _ms(s["itl_p99_s"]),
+            format_seconds(s["ttft_p50_s"]),
+            format_seconds(s["ttft_p99_s"]),
+            format_seconds(s["itl_p99_s"]),
             f"{r.hit_rate:.1%}",
             f"{s['kv_held_mean']:.0%}",
-            f"{_si(r.bytes_moved)}B",
-            _si(recomputed),
+            format_bytes(r.bytes_moved),
+            format_count(recomputed),
             f"{r.blocked_s:,.0f} s" + (" stall" if r.stalled else ""),
         )
     console.print(table)

@@ -9,16 +9,20 @@ seeded sampling would). Output lengths come from the workload (``max_tokens`` wi
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from kvpilot.engine.clock import VirtualClock
 from kvpilot.engine.executor import SeqWork, StepOutput
 from kvpilot.errors import ConfigError
-from kvpilot.sim.cost_model import BatchShape, StepCostModel
+from kvpilot.memory.hashing import ModelFingerprint
+from kvpilot.sim.cost_model import BatchShape, StepCostModel, decode_run_shape, window_pairs
+
+_SEED_MUL, _STEP_MUL, _DRAW_MUL, _MASK = 0x9E3779B1, 0x85EBCA77, 0xC2B2AE3D, 0xFFFFFFFF
 
 
 class SimulatedRunner:
-    """Implements `kvpilot.engine.executor.Executor` with a cost model and a virtual clock.
+    """Implements `kvpilot.engine.executor.Executor` with a cost model and a virtual clock,
+    and `kvpilot.engine.decode_run.DecodeRunExecutor` (many decode-only steps at once).
 
     Counters: ``busy_s`` (time spent in steps and copies), ``steps``, ``copied_blocks``, and
     ``recomputed_tokens``: KV positions a sequence computes a second time (after a
@@ -42,6 +46,9 @@ class SimulatedRunner:
         self.clock = clock
         self.num_blocks = num_blocks
         self.block_size = block_size if block_size is not None else cost.block_size
+        self.fingerprint = ModelFingerprint.of(
+            f"simulated {cost.describe()}, block size {self.block_size}"
+        )
         self.vocab_size = vocab_size
         self.busy_s = 0.0
         self.steps = 0
@@ -71,9 +78,18 @@ class SimulatedRunner:
             if end > mark:
                 high[w.seq_id] = end
             if w.sampling is not None:
-                base = (w.seed * 0x9E3779B1 + w.step * 0x85EBCA77) & 0xFFFFFFFF
-                out[w.seq_id] = [1 + (base + j * 0xC2B2AE3D) % vocab for j in range(w.sample_count)]
-        shape = BatchShape(len(works), prefill, decode, kv_read, pairs)
+                base = (w.seed * _SEED_MUL + w.step * _STEP_MUL) & _MASK
+                out[w.seq_id] = [1 + (base + j * _DRAW_MUL) % vocab for j in range(w.sample_count)]
+        windows = self.cost.windows
+        if windows:
+            w_read = tuple(sum(min(w.start_pos, size) for w in works) for size in windows)
+            w_pairs = tuple(
+                sum(window_pairs(len(w.token_ids), w.start_pos, size) for w in works)
+                for size in windows
+            )
+            shape = BatchShape(len(works), prefill, decode, kv_read, pairs, w_read, w_pairs)
+        else:
+            shape = BatchShape(len(works), prefill, decode, kv_read, pairs)
         dt = self.cost.step_time_s(shape)
         self.clock.advance(dt)
         self.busy_s += dt
@@ -81,6 +97,45 @@ class SimulatedRunner:
         self.recomputed_tokens += recomputed
         self.last_shape = shape
         return StepOutput(out)
+
+    def poison_blocks(self, blocks: Sequence[int]) -> None:
+        """Nothing to poison: simulated blocks hold no KV."""
+
+    # -- uniform decode runs (kvpilot.engine.decode_run) ---------------------------------
+
+    def decode_run_times(self, positions: Sequence[int]) -> Iterator[float]:
+        """Durations of successive decode-only steps of sequences at ``positions``."""
+        return self.cost.decode_run_s(positions)
+
+    def decode_run_tokens(self, seed: int, first_step: int, steps: int) -> list[int]:
+        """What `execute` samples for a sequence of ``seed`` at generation steps
+        ``first_step .. first_step + steps - 1`` (one token each)."""
+        vocab = self.vocab_size - 1
+        base = seed * _SEED_MUL
+        return [
+            1 + ((base + s * _STEP_MUL) & _MASK) % vocab
+            for s in range(first_step, first_step + steps)
+        ]
+
+    def record_decode_run(
+        self, seq_ids: Sequence[int], positions: Sequence[int], durations: Sequence[float]
+    ) -> None:
+        """Count a run of decode-only steps as `execute` would have, one by one (the caller
+        moves the clock)."""
+        k = len(durations)
+        busy = self.busy_s
+        for dt in durations:
+            busy += dt
+        self.busy_s = busy
+        self.steps += k
+        high = self._high_water
+        for seq_id, p in zip(seq_ids, positions, strict=True):
+            mark = high.get(seq_id, 0)
+            if p < mark:
+                self.recomputed_tokens += min(p + k, mark) - p
+            if p + k > mark:
+                high[seq_id] = p + k
+        self.last_shape = decode_run_shape(positions, k - 1, self.cost.windows)
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         if not pairs:

@@ -7,7 +7,10 @@ engine) it is slept. Every iteration:
 1. fire the workload events that are due (turn arrivals after tool waits, forks, new
    trajectories); they submit requests to the engine;
 2. run one engine step if the engine has work, tier copies in flight, or a pause timer due
-   (prefetch, lease expiry); hand finished requests back to the workload;
+   (prefetch, lease expiry); hand finished requests back to the workload. When every
+   running sequence is decoding and nothing else is due, a whole run of such steps is
+   advanced at once (`kvpilot.engine.decode_run`), up to the next event or sample: the
+   same result as stepping, for a fraction of the cost;
 3. when nothing could run (idle, or every waiting request blocked by admission), move to the
    next workload event or engine timer; with neither left, stop;
 4. sample telemetry every ``sample_interval_s``.
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 import time
 from array import array
 from collections.abc import Callable, Sequence
@@ -31,6 +35,7 @@ from typing import Protocol
 
 import numpy as np
 
+from kvpilot.engine.decode_run import advance_decode_run
 from kvpilot.engine.engine import Engine
 from kvpilot.engine.request import RequestOutput
 from kvpilot.engine.sampling import SamplingParams
@@ -38,6 +43,21 @@ from kvpilot.engine.session import Session
 from kvpilot.errors import InvalidRequest
 
 OnDone = Callable[[RequestOutput], None]
+
+
+def p50_p99(values: np.ndarray) -> tuple[float, float]:
+    """``np.percentile(values, [50, 99])`` to the last bit (its default linear method), at a
+    fraction of its cost on the small windows the simulator samples every second."""
+    a = np.sort(values)
+    last = len(a) - 1
+    out = []
+    for q in (0.5, 0.99):
+        at = last * q
+        lo = math.floor(at)
+        x, y = float(a[lo]), float(a[min(lo + 1, last)])
+        t, d = at - lo, y - x
+        out.append(y - d * (1 - t) if t >= 0.5 else x + d * t)
+    return out[0], out[1]
 
 
 class Driver(Protocol):
@@ -104,6 +124,7 @@ class Simulator:
         duration_s: float,
         sample_interval_s: float = 1.0,
         on_progress: Callable[[float], None] | None = None,
+        decode_runs: bool = True,
     ) -> None:
         if duration_s <= 0:
             raise ValueError(f"duration must be positive, got {duration_s}")
@@ -114,6 +135,7 @@ class Simulator:
         self.duration_s = duration_s
         self.sample_interval_s = sample_interval_s
         self.on_progress = on_progress
+        self.decode_runs = decode_runs  # False: step one by one (the reference behaviour)
         self.t0 = self.clock.now()
         self.turns = TurnLog()
         self.samples = Samples()
@@ -211,6 +233,10 @@ class Simulator:
                 timer = offload.next_event_at()
                 run = timer is not None and timer - t0 <= now
             if run:
+                if self.decode_runs:
+                    limit = min(events[0][0], end, next_sample) if events else min(end, next_sample)
+                    if advance_decode_run(engine, t0 + limit):
+                        continue
                 steps = engine.stats.steps
                 outputs = step()
                 for out in outputs:
@@ -281,9 +307,9 @@ class Simulator:
             (ttft, s.ttft_p50_s, s.ttft_p99_s),
         ):
             if len(values):
-                a, b = np.percentile(values, [50, 99])
-                p50.append(float(a))
-                p99.append(float(b))
+                a, b = p50_p99(values)
+                p50.append(a)
+                p99.append(b)
             else:
                 p50.append(float("nan"))
                 p99.append(float("nan"))

@@ -58,8 +58,8 @@ class WorkloadGenerator:
         self.config = config
         self._weights = [t.weight for t in config.tools]
         hi = config.vocab_size
-        self.system_ids = _ids(np.random.default_rng([config.seed, 1]), config.system_tokens, hi)
-        self.tool_ids = _ids(np.random.default_rng([config.seed, 2]), config.tool_tokens, hi)
+        self.system_ids = _ids((config.seed, 1), config.system_tokens, hi)
+        self.tool_ids = _ids((config.seed, 2), config.tool_tokens, hi)
 
     @property
     def shared_ids(self) -> list[int]:
@@ -75,7 +75,7 @@ class WorkloadGenerator:
 
     def content(self, seed: int, n: int) -> list[int]:
         """``n`` token ids of content identified by ``seed`` (same seed, same ids)."""
-        return _ids(np.random.default_rng([self.config.seed, 3, seed]), n, self.config.vocab_size)
+        return _ids((self.config.seed, 3, seed), n, self.config.vocab_size)
 
     def volatile_token(self, traj_index: int, call_index: int) -> int:
         rng = random.Random(f"{self.config.seed}:volatile:{traj_index}:{call_index}")
@@ -137,5 +137,30 @@ class WorkloadGenerator:
         return out
 
 
-def _ids(rng: np.random.Generator, n: int, vocab_size: int) -> list[int]:
-    return rng.integers(1, vocab_size, size=n, dtype=np.int64).tolist()
+_MASK64 = (1 << 64) - 1
+
+
+def _mix64(x: int) -> int:
+    """splitmix64's finaliser: a 64-bit hash of a 64-bit integer."""
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def _ids(key: tuple[int, ...], n: int, vocab_size: int) -> list[int]:
+    """``n`` token ids in [1, vocab_size) that are a pure function of ``key``: a counter
+    hashed by splitmix64 (one vectorised pass; a seeded generator costs far more per call
+    than the ids it draws, and a simulation draws a turn's content at every call)."""
+    seed = 0
+    for part in key:
+        seed = _mix64(((seed ^ (part & _MASK64)) + 0x9E3779B97F4A7C15) & _MASK64)
+    x = np.arange(n, dtype=np.uint64)
+    x += np.uint64(seed)  # array arithmetic wraps modulo 2**64, as the hash wants
+    x ^= x >> np.uint64(30)
+    x *= np.uint64(0xBF58476D1CE4E5B9)
+    x ^= x >> np.uint64(27)
+    x *= np.uint64(0x94D049BB133111EB)
+    x ^= x >> np.uint64(31)
+    x %= np.uint64(vocab_size - 1)
+    x += np.uint64(1)
+    return x.tolist()

@@ -85,3 +85,6 @@ class SimulatedTransport:
 
     def write_device(self, blocks: Sequence[int], data: Sequence[bytes]) -> SimulatedTransfer:
         raise ConfigError("the simulator has no disk tier: leave disk_dir unset")
+
+    def poison_host(self, blocks: Sequence[int]) -> None:
+        """Nothing to poison: simulated blocks hold no KV."""

@@ -1,16 +1,29 @@
-"""Model geometry: what a model's KV cache and weights cost in bytes (spec equations 1 and 4)."""
+"""Model geometry: what a model's KV cache and weights cost in bytes (spec equations 1 and 4).
+
+Equation 1 counts every layer: ``m_token = 2 * L * H_kv * d_head * b``. That is the whole
+story for full-attention models. Hybrid models (`kvpilot.sizing.layers`) keep every token
+only in their full-attention layers; a sliding-window layer keeps at most its window, a
+linear-attention layer a fixed state. So a sequence of ``S`` tokens holds::
+
+    full_layers * m_layer * S  +  sum over window groups of  n_g * m_layer * min(S, W_g)
+                               +  state layers * state bytes
+
+where ``m_layer = 2 * H_kv * d_head * b`` is one layer's bytes per token.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from kvpilot.errors import ConfigError
+from kvpilot.sizing.layers import FULL, STATE, WINDOW, LayerGroup, split_elems
 
 DTYPE_BYTES: dict[str, int] = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1}
+# Weights may also be integer-quantised. int4 is half a byte per parameter; the per-group
+# scales of AWQ/GPTQ (one fp16 per 128 weights: +3%) are left out.
+WEIGHT_DTYPE_BYTES: dict[str, float] = {**DTYPE_BYTES, "int8": 1, "int4": 0.5}
 
 _DTYPE_ALIASES: dict[str, str] = {
     "bf16": "bf16",
@@ -27,15 +40,29 @@ _DTYPE_ALIASES: dict[str, str] = {
     "fp8_e5m2": "fp8",
     "float8_e4m3fn": "fp8",
     "float8_e5m2": "fp8",
+    "int8": "int8",
+    "w8a16": "int8",
+    "int4": "int4",
+    "w4a16": "int4",
 }
 
 
 def normalize_dtype(name: str) -> str:
-    """Canonical dtype name (bf16, fp16, fp32, fp8) for any common spelling."""
-    key = name.strip().lower().removeprefix("torch.")
-    if key not in _DTYPE_ALIASES:
-        raise ConfigError(f"unknown dtype {name!r}: use one of {', '.join(DTYPE_BYTES)}")
-    return _DTYPE_ALIASES[key]
+    """Canonical KV dtype name (bf16, fp16, fp32, fp8) for any common spelling."""
+    key = _DTYPE_ALIASES.get(name.strip().lower().removeprefix("torch."))
+    if key not in DTYPE_BYTES:
+        raise ConfigError(f"unknown KV dtype {name!r}: use one of {', '.join(DTYPE_BYTES)}")
+    return key
+
+
+def normalize_weight_dtype(name: str) -> str:
+    """Canonical weights dtype name (bf16, fp16, fp32, fp8, int8, int4)."""
+    key = _DTYPE_ALIASES.get(name.strip().lower().removeprefix("torch."))
+    if key is None:
+        raise ConfigError(
+            f"unknown weights dtype {name!r}: use one of {', '.join(WEIGHT_DTYPE_BYTES)}"
+        )
+    return key
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +74,9 @@ class ModelGeometry:
     cache one compressed latent of `kv_lora_rank + qk_rope_head_dim` elements per layer instead.
     `num_active_params` is the parameter count a token passes through (smaller than
     `num_params` for mixture-of-experts models); prefill FLOPs follow it, weight bytes do not.
+    `layer_groups` says which layers are full attention, sliding window or linear (empty:
+    all `num_layers` are full attention); `max_context_tokens` is the model's context limit
+    (``max_position_embeddings``), None when unknown.
     """
 
     name: str
@@ -61,6 +91,8 @@ class ModelGeometry:
     kv_lora_rank: int | None = None
     qk_rope_head_dim: int | None = None
     num_active_params: float | None = None
+    layer_groups: tuple[LayerGroup, ...] = ()
+    max_context_tokens: int | None = None
 
     def __post_init__(self) -> None:
         for field in ("num_layers", "num_kv_heads", "head_dim", "hidden_size"):
@@ -68,12 +100,19 @@ class ModelGeometry:
                 raise ConfigError(f"model {self.name!r}: {field} must be positive")
         if self.num_params <= 0:
             raise ConfigError(f"model {self.name!r}: num_params must be positive")
-        object.__setattr__(self, "weight_dtype", normalize_dtype(self.weight_dtype))
+        object.__setattr__(self, "weight_dtype", normalize_weight_dtype(self.weight_dtype))
         object.__setattr__(self, "kv_dtype", normalize_dtype(self.kv_dtype))
         if (self.kv_lora_rank is None) != (self.qk_rope_head_dim is None):
             raise ConfigError(
                 f"model {self.name!r}: an MLA model needs both kv_lora_rank and qk_rope_head_dim"
             )
+        if self.layer_groups and sum(g.num_layers for g in self.layer_groups) != self.num_layers:
+            raise ConfigError(
+                f"model {self.name!r}: layer groups cover "
+                f"{sum(g.num_layers for g in self.layer_groups)} layers, not {self.num_layers}"
+            )
+        if self.max_context_tokens is not None and self.max_context_tokens <= 0:
+            raise ConfigError(f"model {self.name!r}: max_context_tokens must be positive")
 
     @property
     def is_mla(self) -> bool:
@@ -82,6 +121,27 @@ class ModelGeometry:
     @property
     def kv_elem_bytes(self) -> int:
         return DTYPE_BYTES[self.kv_dtype]
+
+    @property
+    def groups(self) -> tuple[LayerGroup, ...]:
+        return self.layer_groups or (LayerGroup(FULL, self.num_layers),)
+
+    @property
+    def num_full_layers(self) -> int:
+        return sum(g.num_layers for g in self.groups if g.kind == FULL)
+
+    @property
+    def num_kv_layers(self) -> int:
+        """Layers with a per-token KV cache (full attention and sliding window)."""
+        return sum(g.num_layers for g in self.groups if g.kind != STATE)
+
+    @property
+    def window_groups(self) -> tuple[LayerGroup, ...]:
+        return tuple(g for g in self.groups if g.kind == WINDOW)
+
+    @property
+    def is_hybrid(self) -> bool:
+        return any(g.kind != FULL for g in self.groups)
 
     @property
     def flops_params(self) -> float:
@@ -102,46 +162,109 @@ class ModelGeometry:
             f"divide it or be a multiple of it"
         )
 
-    def bytes_per_token(self, tp: int = 1) -> int:
-        """KV bytes one token costs on one device of a TP group (tp=1: the whole model).
+    def layer_bytes_per_token(self, tp: int = 1) -> int:
+        """KV bytes one token costs in one attention layer, on one device of a TP group.
 
-        Grouped-query attention: 2 * L * (H_kv / tp) * d_head * b (spec equation 1), with
-        heads replicated when tp exceeds H_kv. MLA: L * (kv_lora_rank + qk_rope_head_dim) * b,
-        the same on every device, because the latent is replicated across the TP group rather
-        than split (each device needs the whole latent to expand its own heads).
+        Grouped-query attention: 2 * (H_kv / tp) * d_head * b, heads replicated when tp exceeds
+        H_kv. MLA: (kv_lora_rank + qk_rope_head_dim) * b on every device, because the latent
+        is replicated across the TP group rather than split (each device needs the whole
+        latent to expand its own heads).
         """
         if self.is_mla:
             if tp <= 0:
                 raise ConfigError(f"tensor parallel degree must be positive, got {tp}")
             assert self.kv_lora_rank is not None and self.qk_rope_head_dim is not None
-            latent = self.kv_lora_rank + self.qk_rope_head_dim
-            return self.num_layers * latent * self.kv_elem_bytes
-        heads = self.kv_heads_per_device(tp)
-        return 2 * self.num_layers * heads * self.head_dim * self.kv_elem_bytes
+            return (self.kv_lora_rank + self.qk_rope_head_dim) * self.kv_elem_bytes
+        return 2 * self.kv_heads_per_device(tp) * self.head_dim * self.kv_elem_bytes
+
+    def bytes_per_token(self, tp: int = 1) -> int:
+        """Equation 1: KV bytes one token costs in every attention layer, on one device.
+
+        For a full-attention model this is the whole per-token cost; for a hybrid model it is
+        what an engine with one block table for all layers allocates (window layers too).
+        """
+        return self.num_kv_layers * self.layer_bytes_per_token(tp)
+
+    def full_bytes_per_token(self, tp: int = 1) -> int:
+        """KV bytes per token of the full-attention layers only: what grows without bound."""
+        return self.num_full_layers * self.layer_bytes_per_token(tp)
+
+    def state_bytes_per_seq(self, tp: int = 1) -> int:
+        """Fixed state one sequence holds in the linear-attention layers, on one device."""
+        elem = DTYPE_BYTES[self.state_dtype]
+        return sum(
+            g.num_layers * split_elems(g.state_elems, tp) * elem
+            for g in self.groups
+            if g.kind == STATE
+        )
+
+    @property
+    def state_dtype(self) -> str:
+        """Recurrent state is kept in the model's float dtype (bf16 for quantised weights)."""
+        return self.weight_dtype if self.weight_dtype in DTYPE_BYTES else "bf16"
 
     def group_bytes_per_token(self, tp: int = 1) -> int:
-        """KV bytes one token costs across a whole TP group, counting replicated copies."""
+        """Equation 1 across a whole TP group, counting replicated copies."""
         return self.bytes_per_token(tp) * tp
 
     def kv_bytes(self, tokens: int, tp: int = 1) -> int:
-        """KV bytes of `tokens` tokens on one device of a TP group (tp=1: the whole model)."""
-        return tokens * self.bytes_per_token(tp)
+        """KV bytes a sequence of ``tokens`` tokens holds on one device (tp=1: whole model),
+        layer by layer: full layers keep every token, window layers at most their window."""
+        per_layer = self.layer_bytes_per_token(tp)
+        kept = sum(g.num_layers * g.kept_tokens(tokens) for g in self.groups)
+        return kept * per_layer + self.state_bytes_per_seq(tp)
+
+    def shared_and_private_bytes(
+        self, tokens: int, shared_tokens: int, tp: int = 1
+    ) -> tuple[int, int]:
+        """KV bytes, on one device, of ``tokens``-long sequences that all begin with the same
+        ``shared_tokens``: (bytes held once for all of them, bytes each one holds alone).
+
+        A window layer keeps the last W tokens; the part of them inside the shared prefix is
+        shared, the rest is private. State is private.
+        """
+        per_layer = self.layer_bytes_per_token(tp)
+        shared = private = 0
+        for g in self.groups:
+            if g.kind == STATE:
+                continue
+            kept = g.kept_tokens(tokens)
+            in_prefix = max(0, shared_tokens - (tokens - kept))
+            shared += g.num_layers * in_prefix
+            private += g.num_layers * (kept - in_prefix)
+        return shared * per_layer, private * per_layer + self.state_bytes_per_seq(tp)
 
     def weight_bytes(self, tp: int = 1) -> float:
         """Weight bytes on one device of a TP group (spec equation 4, PP=1)."""
         if tp <= 0:
             raise ConfigError(f"tensor parallel degree must be positive, got {tp}")
-        return self.num_params * DTYPE_BYTES[self.weight_dtype] / tp
+        return self.num_params * WEIGHT_DTYPE_BYTES[self.weight_dtype] / tp
+
+    def describe_layers(self) -> str:
+        """e.g. "21 full-attention + 21 sliding-window (4,096 tokens) layers"."""
+        return " + ".join(g.describe() for g in self.groups) + " layers"
 
 
+# Context limits are the Llama 3.1 / Qwen / Mistral v0.3 releases' max_position_embeddings
+# (Llama 3.0 had 8,192 tokens with the same geometry).
 PRESETS: dict[str, ModelGeometry] = {
     g.name: g
     for g in (
-        ModelGeometry("llama-3-8b", 32, 8, 128, 8.03e9, "bf16", "bf16", 4096, 32),
-        ModelGeometry("llama-3-70b", 80, 8, 128, 70.6e9, "bf16", "bf16", 8192, 64),
-        ModelGeometry("qwen2.5-7b", 28, 4, 128, 7.62e9, "bf16", "bf16", 3584, 28),
-        ModelGeometry("qwen3-8b", 36, 8, 128, 8.19e9, "bf16", "bf16", 4096, 32),
-        ModelGeometry("mistral-7b", 32, 8, 128, 7.24e9, "bf16", "bf16", 4096, 32),
+        ModelGeometry(
+            "llama-3-8b", 32, 8, 128, 8.03e9, "bf16", "bf16", 4096, 32, max_context_tokens=131072
+        ),
+        ModelGeometry(
+            "llama-3-70b", 80, 8, 128, 70.6e9, "bf16", "bf16", 8192, 64, max_context_tokens=131072
+        ),
+        ModelGeometry(
+            "qwen2.5-7b", 28, 4, 128, 7.62e9, "bf16", "bf16", 3584, 28, max_context_tokens=131072
+        ),
+        ModelGeometry(
+            "qwen3-8b", 36, 8, 128, 8.19e9, "bf16", "bf16", 4096, 32, max_context_tokens=40960
+        ),
+        ModelGeometry(
+            "mistral-7b", 32, 8, 128, 7.24e9, "bf16", "bf16", 4096, 32, max_context_tokens=32768
+        ),
         ModelGeometry(
             "deepseek-v3",
             61,
@@ -155,142 +278,19 @@ PRESETS: dict[str, ModelGeometry] = {
             kv_lora_rank=512,
             qk_rope_head_dim=64,
             num_active_params=37e9,
+            max_context_tokens=163840,
         ),
     )
 }
 
 
-def _read_config(path: Path) -> dict[str, Any]:
-    file = path / "config.json" if path.is_dir() else path
-    try:
-        data = json.loads(file.read_text())
-    except FileNotFoundError as exc:
-        raise ConfigError(f"no config.json at {file}") from exc
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"cannot read {file} as a Hugging Face config.json: {exc}") from exc
-    if not isinstance(data, dict):
-        raise ConfigError(f"{file} is not a JSON object, so not a Hugging Face config.json")
-    # Multimodal checkpoints keep the language model's shape under text_config.
-    text = data.get("text_config")
-    if isinstance(text, dict) and "num_hidden_layers" in text:
-        return {**data, **text}
-    return data
+def resolve_geometry(
+    name_or_path: str | Path, kv_dtype: str | None = None, weight_dtype: str | None = None
+) -> ModelGeometry:
+    """A preset by name or the geometry of a config.json path; ``kv_dtype`` and
+    ``weight_dtype`` override the dtypes."""
+    from kvpilot.sizing.hf_config import from_hf_config
 
-
-def _int_field(cfg: dict[str, Any], key: str, source: str) -> int:
-    value = cfg.get(key)
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ConfigError(f"{source}: field {key!r} must be a positive integer, got {value!r}")
-    return value
-
-
-def _opt_int(cfg: dict[str, Any], key: str, default: int) -> int:
-    value = cfg.get(key)
-    return value if isinstance(value, int) and not isinstance(value, bool) else default
-
-
-def _mlp_params(hidden: int, intermediate: int) -> int:
-    return 3 * hidden * intermediate  # gate, up and down projections (SwiGLU)
-
-
-def _attention_params(cfg: dict[str, Any], hidden: int, heads: int, kv_heads: int, d: int) -> int:
-    if cfg.get("kv_lora_rank"):
-        rank = int(cfg["kv_lora_rank"])
-        rope = _opt_int(cfg, "qk_rope_head_dim", 64)
-        nope = _opt_int(cfg, "qk_nope_head_dim", 128)
-        v_dim = _opt_int(cfg, "v_head_dim", 128)
-        q_rank = cfg.get("q_lora_rank")
-        if q_rank:
-            q = hidden * q_rank + q_rank + q_rank * heads * (nope + rope)
-        else:
-            q = hidden * heads * (nope + rope)
-        kv = hidden * (rank + rope) + rank + rank * heads * (nope + v_dim)
-        return q + kv + heads * v_dim * hidden
-    params = 2 * hidden * heads * d + 2 * hidden * kv_heads * d
-    if cfg.get("attention_bias") or cfg.get("model_type") == "qwen2":
-        params += heads * d + 2 * kv_heads * d
-    if cfg.get("model_type") in ("qwen3", "qwen3_moe"):
-        params += 2 * d  # per-head q and k RMSNorm
-    return params
-
-
-def _mlp_layers_params(cfg: dict[str, Any], hidden: int, layers: int) -> tuple[int, int]:
-    """Total and per-token-active MLP parameters over all layers."""
-    intermediate = _opt_int(cfg, "intermediate_size", 4 * hidden)
-    experts = _opt_int(cfg, "n_routed_experts", 0) or _opt_int(
-        cfg, "num_local_experts", _opt_int(cfg, "num_experts", 0)
-    )
-    if experts == 0:
-        dense = _mlp_params(hidden, intermediate)
-        return layers * dense, layers * dense
-    moe_inter = _opt_int(cfg, "moe_intermediate_size", intermediate)
-    top_k = _opt_int(cfg, "num_experts_per_tok", 2)
-    shared = _opt_int(cfg, "n_shared_experts", 0) * _mlp_params(hidden, moe_inter)
-    shared += _mlp_params(hidden, _opt_int(cfg, "shared_expert_intermediate_size", 0))
-    dense_layers = min(_opt_int(cfg, "first_k_dense_replace", 0), layers)
-    router = hidden * experts
-    expert = _mlp_params(hidden, moe_inter)
-    moe_total = experts * expert + shared + router
-    moe_active = top_k * expert + shared + router
-    dense = _mlp_params(hidden, intermediate)
-    moe_layers = layers - dense_layers
-    return (
-        dense_layers * dense + moe_layers * moe_total,
-        dense_layers * dense + moe_layers * moe_active,
-    )
-
-
-def from_hf_config(path: str | Path) -> ModelGeometry:
-    """Geometry of a Hugging Face checkpoint from its config.json (a file or a folder holding one).
-
-    The parameter count is estimated from the config: embeddings, attention, MLP (dense or
-    mixture-of-experts), norms, and the LM head unless tied. A config with no dtype is taken
-    as bf16, which is what checkpoints are published in.
-    """
-    path = Path(path)
-    cfg = _read_config(path)
-    source = str(path)
-    layers = _int_field(cfg, "num_hidden_layers", source)
-    hidden = _int_field(cfg, "hidden_size", source)
-    heads = _int_field(cfg, "num_attention_heads", source)
-    kv_heads = _opt_int(cfg, "num_key_value_heads", heads)
-    head_dim = _opt_int(cfg, "head_dim", hidden // heads)
-    vocab = _opt_int(cfg, "vocab_size", 32000)
-    dtype = cfg.get("torch_dtype") or cfg.get("dtype") or "bf16"
-    weight_dtype = "bf16" if dtype == "auto" else str(dtype)
-    quant = cfg.get("quantization_config")
-    if isinstance(quant, dict) and quant.get("quant_method") == "fp8":
-        weight_dtype = "fp8"
-
-    attention = _attention_params(cfg, hidden, heads, kv_heads, head_dim)
-    mlp_total, mlp_active = _mlp_layers_params(cfg, hidden, layers)
-    norms = layers * 2 * hidden + hidden
-    embeddings = vocab * hidden * (1 if cfg.get("tie_word_embeddings", False) else 2)
-    common = embeddings + layers * attention + norms
-
-    kv_lora_rank = cfg.get("kv_lora_rank") or None
-    rope = _opt_int(cfg, "qk_rope_head_dim", 64) if kv_lora_rank else None
-    if rope is not None:
-        head_dim = _opt_int(cfg, "qk_nope_head_dim", 128) + rope
-    name = path.parent.name if path.is_file() else path.name
-    return ModelGeometry(
-        name=name or str(cfg.get("model_type", "model")),
-        num_layers=layers,
-        num_kv_heads=kv_heads,
-        head_dim=head_dim,
-        num_params=float(common + mlp_total),
-        weight_dtype=weight_dtype,
-        kv_dtype=weight_dtype if weight_dtype != "fp8" else "bf16",
-        hidden_size=hidden,
-        num_attention_heads=heads,
-        kv_lora_rank=kv_lora_rank,
-        qk_rope_head_dim=rope,
-        num_active_params=float(common + mlp_active) if mlp_active != mlp_total else None,
-    )
-
-
-def resolve_geometry(name_or_path: str | Path, kv_dtype: str | None = None) -> ModelGeometry:
-    """A preset by name or the geometry of a config.json path; `kv_dtype` overrides the KV dtype."""
     key = str(name_or_path).strip().lower()
     if key in PRESETS:
         geometry = PRESETS[key]
@@ -306,4 +306,13 @@ def resolve_geometry(name_or_path: str | Path, kv_dtype: str | None = None) -> M
         )
     if kv_dtype is not None:
         geometry = dataclasses.replace(geometry, kv_dtype=normalize_dtype(kv_dtype))
+    if weight_dtype is not None:
+        geometry = dataclasses.replace(geometry, weight_dtype=normalize_weight_dtype(weight_dtype))
     return geometry
+
+
+def from_hf_config(path: str | Path) -> ModelGeometry:
+    """Geometry of a Hugging Face checkpoint's config.json (see `kvpilot.sizing.hf_config`)."""
+    from kvpilot.sizing.hf_config import from_hf_config as read
+
+    return read(path)

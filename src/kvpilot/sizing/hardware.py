@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass
+from typing import Any
 
 from kvpilot.errors import ConfigError
 
@@ -21,7 +22,12 @@ class Accelerator:
 
     HBM capacities are binary (GiB), as the HBM stacks are: an "80 GB" H100 holds
     85.9e9 bytes, which is why eight of them make the spec's 687.2 GB node.
-    Bandwidths and FLOP rates are decimal (TB/s, TFLOP/s), as vendors quote them.
+    Bandwidths and FLOP rates are decimal (TB/s, TFLOP/s), as vendors quote them; FLOP rates
+    are dense BF16 (datasheets also print the 2x "with sparsity" figure). Links are per
+    direction, because a copy moves its bytes one way: vendors quote NVLink, NVLink-C2C,
+    Infinity Fabric and "128 GB/s PCIe Gen5" as both directions together, twice these.
+    ``host_link`` carries KV offloads to host memory; ``peer_link`` joins accelerators of a
+    node (tensor-parallel all-reduce).
     """
 
     name: str
@@ -31,27 +37,187 @@ class Accelerator:
     host_link_bw_bytes_s: float
     host_link: str
     host_mem_bytes: int
+    peer_link_bw_bytes_s: float | None = None
+    peer_link: str | None = None
 
     def __post_init__(self) -> None:
-        for field in ("hbm_bytes", "hbm_bw_bytes_s", "peak_flops", "host_link_bw_bytes_s"):
+        for field in (
+            "hbm_bytes",
+            "hbm_bw_bytes_s",
+            "peak_flops",
+            "host_link_bw_bytes_s",
+        ):
             if getattr(self, field) <= 0:
                 raise ConfigError(f"accelerator {self.name!r}: {field} must be positive")
         if self.host_mem_bytes < 0:
             raise ConfigError(f"accelerator {self.name!r}: host_mem_bytes must not be negative")
+        if self.peer_link_bw_bytes_s is not None and self.peer_link_bw_bytes_s <= 0:
+            raise ConfigError(f"accelerator {self.name!r}: peer_link_bw_bytes_s must be positive")
 
 
+PCIE4 = 32 * GB  # PCIe Gen4 x16, per direction
+PCIE5 = 64 * GB  # PCIe Gen5 x16, per direction
+
+# Sources (public datasheets): NVIDIA A100 ("A100 Tensor Core GPU" datasheet: 1,555 GB/s on
+# the 40 GB SXM part, 2,039 GB/s on the 80 GB one, 312 TFLOPS BF16, NVLink 600 GB/s);
+# H100 (H100 datasheet: SXM 3.35 TB/s, 989 TFLOPS, NVLink 900 GB/s; PCIe 2.0 TB/s,
+# 756 TFLOPS, NVLink bridge 600 GB/s); H200 (H200 datasheet: 141 GB, 4.8 TB/s; SXM
+# 989 TFLOPS, NVLink 900 GB/s; NVL 836 TFLOPS, 2- or 4-way NVLink bridge 900 GB/s); HGX B200
+# (180 GB and 8 TB/s per GPU, 2.25 PFLOPS dense BF16, NVLink 5 1.8 TB/s; DGX B200: 4 TB of
+# host memory for 8 GPUs); GB200 NVL72 (13.4 TB HBM3e and 360 PFLOPS sparse BF16 over 72
+# GPUs: 186 GB and 2.5 PFLOPS dense each; NVLink-C2C 900 GB/s to a Grace with 480 GB
+# LPDDR5X per two GPUs); L40S (48 GB GDDR6, 864 GB/s, 362 TFLOPS BF16, PCIe Gen4, no
+# NVLink); GH200 (96 GB HBM3 at 4.0 TB/s, NVLink-C2C 900 GB/s, 480 GB LPDDR5X); AMD
+# Instinct MI300X (192 GB HBM3, 5.3 TB/s, 1,307.4 TFLOPS BF16, Infinity Fabric 896 GB/s
+# peak aggregate) and MI325X (256 GB HBM3E, 6 TB/s, same compute and fabric).
 ACCELERATORS: dict[str, Accelerator] = {
     a.name: a
     for a in (
-        Accelerator("h100-sxm", 80 * GIB, 3.35 * TB, 989e12, 64 * GB, "PCIe Gen5 x16", 256 * GB),
-        Accelerator("h200", 141 * GIB, 4.8 * TB, 989e12, 64 * GB, "PCIe Gen5 x16", 256 * GB),
-        Accelerator("b200", 192 * GIB, 8.0 * TB, 2250e12, 64 * GB, "PCIe Gen5 x16", 512 * GB),
+        Accelerator(
+            "a100-40",
+            40 * GIB,
+            1.555 * TB,
+            312e12,
+            PCIE4,
+            "PCIe Gen4 x16",
+            128 * GB,
+            300 * GB,
+            "NVLink 3",
+        ),
+        Accelerator(
+            "a100-80",
+            80 * GIB,
+            2.039 * TB,
+            312e12,
+            PCIE4,
+            "PCIe Gen4 x16",
+            256 * GB,
+            300 * GB,
+            "NVLink 3",
+        ),
+        Accelerator(
+            "h100-pcie",
+            80 * GIB,
+            2.0 * TB,
+            756e12,
+            PCIE5,
+            "PCIe Gen5 x16",
+            256 * GB,
+            300 * GB,
+            "NVLink bridge (pairs)",
+        ),
+        Accelerator(
+            "h100-sxm",
+            80 * GIB,
+            3.35 * TB,
+            989e12,
+            PCIE5,
+            "PCIe Gen5 x16",
+            256 * GB,
+            450 * GB,
+            "NVLink 4",
+        ),
+        Accelerator(
+            "h200",
+            141 * GIB,
+            4.8 * TB,
+            989e12,
+            PCIE5,
+            "PCIe Gen5 x16",
+            256 * GB,
+            450 * GB,
+            "NVLink 4",
+        ),
+        Accelerator(
+            "h200-nvl",
+            141 * GIB,
+            4.8 * TB,
+            836e12,
+            PCIE5,
+            "PCIe Gen5 x16",
+            256 * GB,
+            450 * GB,
+            "NVLink bridge (2- or 4-way)",
+        ),
+        Accelerator(
+            "b200",
+            180 * GIB,
+            8.0 * TB,
+            2250e12,
+            PCIE5,
+            "PCIe Gen5 x16",
+            512 * GB,
+            900 * GB,
+            "NVLink 5",
+        ),
+        Accelerator(
+            "gb200",
+            186 * GIB,
+            8.0 * TB,
+            2500e12,
+            450 * GB,
+            "NVLink-C2C",
+            240 * GB,
+            900 * GB,
+            "NVLink 5",
+        ),
+        Accelerator(
+            "l40s",
+            48 * GIB,
+            0.864 * TB,
+            362e12,
+            PCIE4,
+            "PCIe Gen4 x16",
+            128 * GB,
+            PCIE4,
+            "PCIe Gen4 (no NVLink)",
+        ),
         # GH200 in its original 96 GB HBM3 form (4.0 TB/s); the 144 GB HBM3e part is faster.
-        Accelerator("gh200", 96 * GIB, 4.0 * TB, 989e12, 900 * GB, "NVLink-C2C", 480 * GB),
+        Accelerator(
+            "gh200",
+            96 * GIB,
+            4.0 * TB,
+            989e12,
+            450 * GB,
+            "NVLink-C2C",
+            480 * GB,
+            450 * GB,
+            "NVLink 4",
+        ),
+        Accelerator(
+            "mi300x",
+            192 * GIB,
+            5.3 * TB,
+            1307.4e12,
+            PCIE5,
+            "PCIe Gen5 x16",
+            256 * GB,
+            448 * GB,
+            "Infinity Fabric",
+        ),
+        Accelerator(
+            "mi325x",
+            256 * GIB,
+            6.0 * TB,
+            1307.4e12,
+            PCIE5,
+            "PCIe Gen5 x16",
+            256 * GB,
+            448 * GB,
+            "Infinity Fabric",
+        ),
     )
 }
 
-_ALIASES: dict[str, str] = {"h100": "h100-sxm", "h100-sxm5": "h100-sxm", "b200-sxm": "b200"}
+_ALIASES: dict[str, str] = {
+    "a100": "a100-80",
+    "a100-40gb": "a100-40",
+    "a100-80gb": "a100-80",
+    "h100": "h100-sxm",
+    "h100-sxm5": "h100-sxm",
+    "h200-sxm": "h200",
+    "b200-sxm": "b200",
+}
 
 
 def resolve_accelerator(name: str) -> Accelerator:
@@ -107,7 +273,7 @@ class Node:
         nvme_bw_bytes_s: float | None = None,
     ) -> Node:
         """This node with any per-accelerator figure (or the NVMe bandwidth) replaced."""
-        changes = {
+        changes: dict[str, Any] = {
             "hbm_bytes": hbm_bytes,
             "hbm_bw_bytes_s": hbm_bw_bytes_s,
             "peak_flops": peak_flops,

@@ -3,29 +3,38 @@
 All capacities are computed per TP group (one model replica) and multiplied by the number of
 replicas in the node. Sizes are bytes; a caller mixing GB and GiB (as the spec's examples do)
 passes whichever it means.
+
+KV is sized layer by layer (`ModelGeometry.kv_bytes`): a hybrid model's sliding-window layers
+hold at most their window per sequence, so equations 6 and 7 divide the pool by what a
+trajectory really holds, not by ``context * m_token``. Without ``tp``, the plan takes the
+smallest tensor-parallel degree whose weights leave a KV pool that holds one sequence of the
+longest planned context, and fills the node with replicas of it. Contexts past the model's
+``max_position_embeddings`` are clamped to it, with a warning.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from kvpilot.errors import ConfigError
 from kvpilot.policy.breakeven import PauseDecision, PauseInputs, decide_pause
+from kvpilot.sizing.capacity import (
+    DEFAULT_RESERVE_BYTES_PER_DEVICE,
+    BlockRow,
+    MemoryBudget,
+    block_sizing,
+    default_tp,
+    memory_budget,
+    trajectory_concurrency,
+)
 from kvpilot.sizing.geometry import ModelGeometry
 from kvpilot.sizing.hardware import Node
 
 DEFAULT_CONTEXTS: tuple[int, ...] = (8192, 32768, 131072)
 DEFAULT_SHARED_TOKENS = 24576
-DEFAULT_RESERVE_BYTES_PER_DEVICE = 2.5e9
 DEFAULT_BLOCK_SIZES: tuple[int, ...] = (16,)
 DEFAULT_NUM_SEQS = 256
 DEFAULT_MFU = 0.45
-
-
-def _floor(x: float) -> int:
-    """floor() that does not lose a whole unit to float rounding (35.99999999 -> 36)."""
-    return math.floor(x * (1 + 1e-12))
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,35 +84,23 @@ class PlanConfig:
         if not 0.0 < self.mfu <= 1.0:
             raise ConfigError(f"--mfu is a fraction in (0, 1], got {self.mfu}")
 
-    @property
-    def tp_degree(self) -> int:
-        return self.node.count if self.tp is None else self.tp
-
 
 @dataclass(frozen=True, slots=True)
 class TokenFootprint:
-    """KV bytes per token: whole model (tp=1), on one device, and across one TP group."""
+    """KV bytes per token: whole model (tp=1), on one device, and across one TP group.
+
+    ``model_bytes`` is equation 1 over every attention layer. A hybrid model splits it:
+    ``full_model_bytes`` per token in the full-attention layers (growing with the context),
+    and at most ``window_cap_model_bytes`` per sequence in its window layers, plus a fixed
+    ``state_model_bytes`` per sequence in linear-attention layers (all for the whole model).
+    """
 
     model_bytes: int
     device_bytes: int
     group_bytes: int
-
-
-@dataclass(frozen=True, slots=True)
-class MemoryBudget:
-    """Spec equations 3-5: device memory = weights + reserve + KV pool."""
-
-    devices: int
-    tp: int
-    replicas: int
-    hbm_bytes_per_device: int
-    weight_bytes_per_device: float
-    reserve_bytes_per_device: float
-    pool_bytes_per_device: float
-    hbm_bytes_node: int
-    weight_bytes_node: float
-    reserve_bytes_node: float
-    pool_bytes_node: float
+    full_model_bytes: int
+    window_cap_model_bytes: int
+    state_model_bytes: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,19 +118,6 @@ class CapacityRow:
 
 
 @dataclass(frozen=True, slots=True)
-class BlockRow:
-    """Paged pool of one device at one block size, and its expected tail waste."""
-
-    block_size: int
-    block_bytes: int
-    num_blocks: int
-    token_capacity: int
-    tail_waste_tokens_per_seq: float
-    tail_waste_bytes: float
-    tail_waste_fraction: float
-
-
-@dataclass(frozen=True, slots=True)
 class PauseRow:
     context_tokens: int
     kv_bytes: int
@@ -142,10 +126,17 @@ class PauseRow:
 
 @dataclass(frozen=True, slots=True)
 class Plan:
+    """A plan. ``tp_reason`` says how the TP degree was chosen; ``warnings`` what was changed
+    or assumed that a user should know (clamped contexts, fp32 KV)."""
+
     model: str
     node: str
     kv_dtype: str
     weight_dtype: str
+    layers: str
+    max_context_tokens: int | None
+    tp_reason: str
+    warnings: tuple[str, ...]
     shared_tokens: int
     output_tokens: int
     headroom: float
@@ -156,86 +147,6 @@ class Plan:
     capacity: tuple[CapacityRow, ...]
     blocks: tuple[BlockRow, ...]
     pauses: tuple[PauseRow, ...]
-
-
-def memory_budget(
-    geometry: ModelGeometry,
-    node: Node,
-    tp: int,
-    reserve_bytes_per_device: float = DEFAULT_RESERVE_BYTES_PER_DEVICE,
-    weight_bytes: float | None = None,
-) -> MemoryBudget:
-    """The KV pool left on each device once weights (one copy per TP group) and reserve are out."""
-    if tp <= 0 or tp > node.count or node.count % tp:
-        raise ConfigError(
-            f"tensor parallel degree {tp} must divide the {node.count} accelerators of "
-            f"{node.name} (multi-node TP is not modelled)"
-        )
-    geometry.kv_heads_per_device(tp)
-    weights = (weight_bytes if weight_bytes is not None else geometry.weight_bytes(1)) / tp
-    hbm = node.accelerator.hbm_bytes
-    pool = hbm - weights - reserve_bytes_per_device
-    if pool <= 0:
-        raise ConfigError(
-            f"{geometry.name} leaves no KV pool on {node.accelerator.name}: "
-            f"{weights / 1e9:.1f} GB of weights and {reserve_bytes_per_device / 1e9:.1f} GB of "
-            f"reserve per device exceed its {hbm / 1e9:.1f} GB; raise --tp or use a bigger --node"
-        )
-    n = node.count
-    return MemoryBudget(
-        devices=n,
-        tp=tp,
-        replicas=n // tp,
-        hbm_bytes_per_device=hbm,
-        weight_bytes_per_device=weights,
-        reserve_bytes_per_device=reserve_bytes_per_device,
-        pool_bytes_per_device=pool,
-        hbm_bytes_node=n * hbm,
-        weight_bytes_node=n * weights,
-        reserve_bytes_node=n * reserve_bytes_per_device,
-        pool_bytes_node=n * pool,
-    )
-
-
-def max_concurrency(
-    pool_bytes: float,
-    bytes_per_token: float,
-    context_tokens: int,
-    output_tokens: int = 0,
-    shared_tokens: int = 0,
-    headroom: float = 0.0,
-) -> int | None:
-    """Trajectories a KV pool holds (spec eq. 6; eq. 7 when `shared_tokens` > 0).
-
-    The shared prefix is part of each context, held once; each trajectory privately holds
-    the rest of its context plus its output. The pool keeps `headroom` of itself free.
-    None when the shared prefix is longer than the context, or is all of a trajectory
-    with no output (no private state, so no KV limit).
-    """
-    private = context_tokens - shared_tokens + output_tokens
-    if shared_tokens > context_tokens or private == 0:
-        return None
-    usable = pool_bytes * (1.0 - headroom) - shared_tokens * bytes_per_token
-    return max(0, _floor(usable / (private * bytes_per_token)))
-
-
-def block_sizing(
-    pool_bytes: float, bytes_per_token: int, block_size: int, num_seqs: int
-) -> BlockRow:
-    """Blocks of `block_size` tokens in a pool, and the (B-1)/2 expected tail waste per sequence."""
-    block_bytes = block_size * bytes_per_token
-    num_blocks = _floor(pool_bytes / block_bytes)
-    waste_tokens = (block_size - 1) / 2
-    waste_bytes = num_seqs * waste_tokens * bytes_per_token
-    return BlockRow(
-        block_size=block_size,
-        block_bytes=block_bytes,
-        num_blocks=num_blocks,
-        token_capacity=num_blocks * block_size,
-        tail_waste_tokens_per_seq=waste_tokens,
-        tail_waste_bytes=waste_bytes,
-        tail_waste_fraction=waste_bytes / pool_bytes,
-    )
 
 
 def pause_inputs(
@@ -251,7 +162,7 @@ def pause_inputs(
     """Break-even inputs for one trajectory on a TP group: its links, FLOPs and host share."""
     accel = node.accelerator
     return PauseInputs(
-        kv_bytes=context_tokens * geometry.group_bytes_per_token(tp),
+        kv_bytes=geometry.kv_bytes(context_tokens, tp) * tp,
         num_tokens=context_tokens,
         expected_wait_s=wait_s,
         device_host_bw_bytes_s=tp * accel.host_link_bw_bytes_s,
@@ -264,35 +175,85 @@ def pause_inputs(
     )
 
 
+def planned_contexts(config: PlanConfig) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """The contexts to plan, clamped so that context + output fits the model's limit."""
+    limit = config.geometry.max_context_tokens
+    if limit is None:
+        return config.contexts, ()
+    room = limit - config.output_tokens
+    name = config.geometry.name
+    if room <= 0:
+        raise ConfigError(
+            f"--output {config.output_tokens:,} leaves no context within {name}'s limit of "
+            f"{limit:,} tokens (max_position_embeddings)"
+        )
+    over = [c for c in config.contexts if c > room]
+    if not over:
+        return config.contexts, ()
+    clamped = tuple(dict.fromkeys(min(c, room) for c in config.contexts))
+    listed = ", ".join(f"{c:,}" for c in over)
+    plural = "s" if len(over) > 1 else ""
+    output = f" + {config.output_tokens:,} of output" if config.output_tokens else ""
+    return clamped, (
+        f"context{plural} {listed} exceed{'' if plural else 's'} {name}'s limit of {limit:,} "
+        f"tokens (max_position_embeddings): planned at {room:,} tokens{output}",
+    )
+
+
+def dtype_warnings(geometry: ModelGeometry) -> tuple[str, ...]:
+    out = []
+    if geometry.kv_dtype == "fp32":
+        out.append(
+            "KV cache in fp32 (4 bytes per element, twice bf16), as the model's dtype says; "
+            "engines usually serve in bf16: pass --kv-dtype bf16 to plan that"
+        )
+    if geometry.weight_dtype == "fp32":
+        out.append(
+            "weights in fp32 (4 bytes per parameter); pass --weights-dtype bf16 to plan a "
+            "bf16 deployment"
+        )
+    return tuple(out)
+
+
 def make_plan(config: PlanConfig) -> Plan:
-    geometry, node, tp = config.geometry, config.node, config.tp_degree
+    geometry, node = config.geometry, config.node
+    contexts, warnings = planned_contexts(config)
+    longest = max(contexts) + config.output_tokens
+    if config.tp is None:
+        tp, why = default_tp(
+            geometry, node, longest, config.reserve_bytes_per_device, config.weight_bytes
+        )
+        tp_reason = f"TP {tp}: {why}"
+    else:
+        tp, tp_reason = config.tp, f"TP {config.tp}: given"
     budget = memory_budget(geometry, node, tp, config.reserve_bytes_per_device, config.weight_bytes)
+    window_cap = sum(
+        g.num_layers * (g.window_tokens or 0) for g in geometry.window_groups
+    ) * geometry.layer_bytes_per_token(1)
     footprint = TokenFootprint(
         model_bytes=geometry.bytes_per_token(1),
         device_bytes=geometry.bytes_per_token(tp),
         group_bytes=geometry.group_bytes_per_token(tp),
+        full_model_bytes=geometry.full_bytes_per_token(1),
+        window_cap_model_bytes=window_cap,
+        state_model_bytes=geometry.state_bytes_per_seq(1),
     )
     group_pool = budget.pool_bytes_per_device * tp
 
     def capacity(context: int, shared: int) -> int | None:
-        per_group = max_concurrency(
-            group_pool,
-            footprint.group_bytes,
-            context,
-            config.output_tokens,
-            shared,
-            config.headroom,
+        per_group = trajectory_concurrency(
+            geometry, group_pool, tp, context, config.output_tokens, shared, config.headroom
         )
         return None if per_group is None else per_group * budget.replicas
 
     rows = []
-    for context in config.contexts:
+    for context in contexts:
         cold = capacity(context, 0)
         assert cold is not None
         rows.append(
             CapacityRow(
                 context_tokens=context,
-                trajectory_bytes=context * footprint.group_bytes,
+                trajectory_bytes=geometry.kv_bytes(context, tp) * tp,
                 cold=cold,
                 shared=capacity(context, config.shared_tokens),
             )
@@ -306,7 +267,7 @@ def make_plan(config: PlanConfig) -> Plan:
         pauses = tuple(
             PauseRow(
                 context_tokens=context,
-                kv_bytes=context * footprint.group_bytes,
+                kv_bytes=geometry.kv_bytes(context, tp) * tp,
                 decision=decide_pause(
                     pause_inputs(
                         geometry,
@@ -320,13 +281,17 @@ def make_plan(config: PlanConfig) -> Plan:
                     )
                 ),
             )
-            for context in config.contexts
+            for context in contexts
         )
     return Plan(
         model=geometry.name,
         node=node.name,
         kv_dtype=geometry.kv_dtype,
         weight_dtype=geometry.weight_dtype,
+        layers=geometry.describe_layers(),
+        max_context_tokens=geometry.max_context_tokens,
+        tp_reason=tp_reason,
+        warnings=warnings + dtype_warnings(geometry),
         shared_tokens=config.shared_tokens,
         output_tokens=config.output_tokens,
         headroom=config.headroom,

@@ -29,7 +29,7 @@ from types import TracebackType
 import numpy as np
 
 from kvpilot.errors import ConfigError, InvalidRequest, KvpilotError
-from kvpilot.memory.hashing import HASH_BYTES
+from kvpilot.memory.hashing import HASH_BYTES, ModelFingerprint
 from kvpilot.store.index import INDEX_FILENAME, BlockIndex, IndexEntry
 from kvpilot.store.slot_file import SlotFile, checksum, lock_directory
 from kvpilot.store.stats import DiskStoreStats, StoreCounters
@@ -81,6 +81,7 @@ class DiskBlockStore:
         fsync: bool = True,
         max_batch_blocks: int = 256,
         clock: Callable[[], float] = time.time,
+        model: ModelFingerprint | None = None,
     ) -> None:
         if num_slots < 1 or block_bytes < 1:
             raise ConfigError(
@@ -105,6 +106,7 @@ class DiskBlockStore:
                 num_slots=num_slots,
                 block_bytes=block_bytes,
                 create=create,
+                model=model,
             )
         except BaseException:
             os.close(self._lock_fd)

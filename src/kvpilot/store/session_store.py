@@ -2,13 +2,16 @@
 
 Tokens are the truth (KV blocks are derived from them), so a session is saved as its token list,
 its tenant salt and a JSON ``meta`` dict; its KV blocks, if any survived, are found again in the
-disk block store by the chained hashes of those tokens.
+disk block store by the chained hashes of those tokens. Each session records the fingerprint of
+the model that saved it: token ids mean something only to their model, so a store opened with
+another model's fingerprint does not resume it (a log line says why).
 """
 
 from __future__ import annotations
 
 import builtins
 import json
+import logging
 import sqlite3
 import threading
 import time
@@ -21,9 +24,12 @@ from typing import Any
 import numpy as np
 
 from kvpilot.errors import ConfigError, InvalidRequest, KvpilotError
+from kvpilot.memory.hashing import ModelFingerprint
+
+log = logging.getLogger(__name__)
 
 SESSIONS_FILENAME = "sessions.sqlite3"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: the saving model's fingerprint (version 1 stores are migrated)
 _TOKEN_DTYPE = np.dtype("<i4")
 
 _SCHEMA = """
@@ -32,8 +38,14 @@ CREATE TABLE IF NOT EXISTS sessions (
     tokens BLOB NOT NULL,
     salt TEXT,
     meta TEXT NOT NULL,
-    saved_at REAL NOT NULL
+    saved_at REAL NOT NULL,
+    model BLOB,
+    model_label TEXT
 );
+"""
+_MIGRATE_FROM_1 = """
+ALTER TABLE sessions ADD COLUMN model BLOB;
+ALTER TABLE sessions ADD COLUMN model_label TEXT;
 """
 
 
@@ -48,7 +60,10 @@ class StoredSession:
 
 class SessionStore:
     """SQLite-backed map session_id -> StoredSession. Every ``save``/``delete`` is durable
-    (committed with synchronous=FULL) when it returns. Safe to share between threads."""
+    (committed with synchronous=FULL) when it returns. Safe to share between threads.
+
+    With a ``model`` fingerprint, saves record it and ``load`` resumes only sessions it saved.
+    """
 
     def __init__(
         self,
@@ -56,8 +71,10 @@ class SessionStore:
         *,
         create: bool = True,
         clock: Callable[[], float] = time.time,
+        model: ModelFingerprint | None = None,
     ) -> None:
         self.path = Path(directory) / SESSIONS_FILENAME
+        self.model = model
         if not self.path.exists():
             if not create:
                 raise ConfigError(
@@ -72,6 +89,9 @@ class SessionStore:
             self._conn.execute("PRAGMA journal_mode=WAL")
             self._conn.execute("PRAGMA synchronous=FULL")
             version = self._conn.execute("PRAGMA user_version").fetchone()[0]
+            if version == 1:
+                self._conn.executescript(_MIGRATE_FROM_1)
+                version = SCHEMA_VERSION
             if version not in (0, SCHEMA_VERSION):
                 raise ConfigError(
                     f"{self.path} has session schema version {version}, this kvpilot reads "
@@ -101,23 +121,33 @@ class SessionStore:
             raise InvalidRequest(
                 f"meta of session {session_id!r} must be a JSON object of plain values ({exc})"
             ) from exc
+        model = self.model
+        row = (session_id, blob, salt, meta_json, self._clock())
+        row += (model.digest, model.label) if model is not None else (None, None)
         with self._lock:
             self._check_open()
-            self._conn.execute(
-                "INSERT OR REPLACE INTO sessions VALUES (?, ?, ?, ?, ?)",
-                (session_id, blob, salt, meta_json, self._clock()),
-            )
+            self._conn.execute("INSERT OR REPLACE INTO sessions VALUES (?, ?, ?, ?, ?, ?, ?)", row)
 
     def load(self, session_id: str) -> StoredSession | None:
         with self._lock:
             self._check_open()
             row = self._conn.execute(
-                "SELECT tokens, salt, meta, saved_at FROM sessions WHERE session_id = ?",
+                "SELECT tokens, salt, meta, saved_at, model, model_label FROM sessions "
+                "WHERE session_id = ?",
                 (session_id,),
             ).fetchone()
         if row is None:
             return None
-        blob, salt, meta_json, saved_at = row
+        blob, salt, meta_json, saved_at, model, label = row
+        if self.model is not None and (model is None or bytes(model) != self.model.digest):
+            log.warning(
+                "session %r in %s was saved by %s; this engine runs %s: not resumed",
+                session_id,
+                self.path,
+                f"model {label}" if model is not None else "a model it did not record",
+                self.model.label,
+            )
+            return None
         tokens = np.frombuffer(blob, dtype=_TOKEN_DTYPE).tolist()
         return StoredSession(session_id, tokens, salt, json.loads(meta_json), saved_at)
 

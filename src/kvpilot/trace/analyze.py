@@ -11,14 +11,19 @@ For call i of a session (calls in timestamp order):
   the call only appended, which is what a cache-friendly layout does);
 * ``gap_s``: the time since call i-1 (generation plus the tool wait).
 
-A call *breaks the layout* when it diverges more than one block before the end of the
-previous call; a session with such calls recomputes what an append-only layout would reuse.
+Calls are compared through the prefix-break classifier the server uses
+(`kvpilot.promptcache`): a session that mixes several conversations (an orchestrator and its
+sub-agents, a user simulator and an agent) is split into them, reuse is counted per
+conversation, and a switch between conversations is not a break. A call *breaks the layout*
+when it diverges more than one block before the end of its conversation's previous call; it
+carries the classified cause (volatile field at the head, tool list changed, compaction, ...).
+The report (`kvpilot.trace.report`) shows the top N sessions and breaks, with counts of the
+rest.
 """
 
 from __future__ import annotations
 
 import bisect
-import re
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -26,14 +31,15 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from rich.console import Console
-from rich.table import Table
 
 from kvpilot.errors import ConfigError
+from kvpilot.promptcache.breaks import BreakCause, PromptView
+from kvpilot.promptcache.conversations import BreakDetector
 from kvpilot.trace.ideal import ideal_hits
 from kvpilot.trace.schema import TraceInput
 
 APPENDED = "appended"
+DEFAULT_TOP = 10  # rows per table in the report
 UNKNOWN = "unknown"
 
 
@@ -93,6 +99,9 @@ class CallDiagnosis:
     divergence_zone: str | None
     lost_tokens: int
     gap_s: float | None
+    conversation: int = 0
+    cause: str | None = None  # the classified cause of a divergence (`BreakCause`)
+    detail: str | None = None
 
     @property
     def breaks_layout(self) -> bool:
@@ -100,9 +109,23 @@ class CallDiagnosis:
 
 
 @dataclass(frozen=True, slots=True)
+class ConversationReuse:
+    number: int
+    calls: int
+    prompt_tokens: int
+    reuse_rate: float
+
+
+@dataclass(frozen=True, slots=True)
 class SessionDiagnosis:
     session_id: str
     calls: tuple[CallDiagnosis, ...]
+    conversations: tuple[ConversationReuse, ...] = ()
+
+    @property
+    def interleaved(self) -> bool:
+        """The session mixes several conversations."""
+        return len(self.conversations) > 1
 
     @property
     def prompt_tokens(self) -> int:
@@ -174,6 +197,18 @@ class TraceDiagnosis:
     def breaking_sessions(self) -> tuple[SessionDiagnosis, ...]:
         return tuple(s for s in self.sessions if s.breaks)
 
+    @property
+    def interleaved_sessions(self) -> tuple[SessionDiagnosis, ...]:
+        return tuple(s for s in self.sessions if s.interleaved)
+
+    @property
+    def causes(self) -> dict[str, int]:
+        """Breaks by cause (switches between interleaved conversations included)."""
+        counts: Counter[str] = Counter(
+            c.cause for s in self.sessions for c in s.calls if c.cause is not None
+        )
+        return dict(counts.most_common())
+
     def to_json(self) -> dict[str, Any]:
         return {
             "block_size": self.block_size,
@@ -182,7 +217,9 @@ class TraceDiagnosis:
             "ideal_hit_rate": self.ideal_rate,
             "tool_wait": asdict(self.gaps),
             "divergence_zones": dict(self.zones),
+            "causes": self.causes,
             "breaking_sessions": [s.session_id for s in self.breaking_sessions],
+            "interleaved_sessions": [s.session_id for s in self.interleaved_sessions],
             "sessions": [
                 {
                     "session_id": s.session_id,
@@ -190,6 +227,7 @@ class TraceDiagnosis:
                     "reuse_rate": s.reuse_rate,
                     "ideal_hit_rate": s.ideal_rate,
                     "lost_tokens": s.lost_tokens,
+                    "conversations": [asdict(c) for c in s.conversations],
                     "calls": [asdict(c) for c in s.calls],
                 }
                 for s in self.sessions
@@ -247,17 +285,37 @@ def diagnose(
     zones: Counter[str] = Counter()
     sessions = []
     for sid, idx in by_session.items():
+        detector = BreakDetector(block_size)
+        last_of: dict[int, TraceInput] = {}  # each conversation's previous call
         out: list[CallDiagnosis] = []
         for k, i in enumerate(idx):
             call = calls[i]
-            if k == 0:
+            seen = detector.observe(PromptView(call.tokens, call.text))
+            prev = last_of.get(seen.conversation)
+            last_of[seen.conversation] = call
+            gap = call.timestamp_s - calls[idx[k - 1]].timestamp_s if k else None
+            brk = seen.prefix_break
+            cause = str(brk.cause) if brk is not None else None
+            detail = brk.detail if brk is not None else None
+            if prev is None:
                 out.append(
                     CallDiagnosis(
-                        sid, 0, call.timestamp_s, len(call.tokens), 0, ideal[i], None, None, 0, None
+                        sid,
+                        k,
+                        call.timestamp_s,
+                        len(call.tokens),
+                        0,
+                        ideal[i],
+                        None,
+                        None,
+                        0,
+                        gap,
+                        seen.conversation,
+                        cause,
+                        detail,
                     )
                 )
                 continue
-            prev = calls[idx[k - 1]]
             div = _first_diff(prev.tokens, call.tokens)
             usable = (len(call.tokens) - 1) // block_size * block_size
             reuse = min(div // block_size * block_size, usable)
@@ -268,6 +326,8 @@ def diagnose(
                 lost = max(0, possible - reuse)
             zone = _zone(prev, call, div, block_size, markers)
             zones[zone] += 1
+            if brk is not None and brk.cause is BreakCause.INTERLEAVED:
+                lost = 0  # a switch back to this conversation, not a break of it
             out.append(
                 CallDiagnosis(
                     sid,
@@ -279,10 +339,17 @@ def diagnose(
                     div,
                     zone,
                     lost,
-                    call.timestamp_s - prev.timestamp_s,
+                    gap,
+                    seen.conversation,
+                    cause,
+                    detail,
                 )
             )
-        sessions.append(SessionDiagnosis(sid, tuple(out)))
+        conversations = tuple(
+            ConversationReuse(c.number, c.requests, c.prompt_tokens, c.reuse_rate)
+            for c in detector.all_conversations()
+        )
+        sessions.append(SessionDiagnosis(sid, tuple(out), conversations))
     gaps = [g for s in sessions for g in s.gaps_s]
     return TraceDiagnosis(block_size, tuple(sessions), GapSummary.of(gaps), dict(zones))
 
@@ -298,95 +365,3 @@ def _zone(
     if char >= len(prev.text):
         return APPENDED
     return zone_at(char, zone_starts(prev.text, markers))
-
-
-_SAFE = re.compile(r"[^A-Za-z0-9._-]")
-
-
-def short_id(session_id: str, width: int = 12) -> str:
-    s = _SAFE.sub("_", session_id)
-    return s if len(s) <= width else s[: width - 1] + "…"
-
-
-def render_diagnosis(console: Console, d: TraceDiagnosis, turns: bool = False) -> None:
-    """The diagnosis as rich tables: per session, the breaking calls, optionally every call."""
-    table = Table(title=f"prefix reuse per session (block {d.block_size})", title_justify="left")
-    for col in (
-        "session",
-        "calls",
-        "prompt tok",
-        "reuse prev",
-        "ideal",
-        "breaks",
-        "lost tok",
-        "gap p50",
-    ):
-        table.add_column(col, justify="left" if col == "session" else "right")
-    for s in d.sessions:
-        gaps = s.gaps_s
-        gap = f"{sorted(gaps)[len(gaps) // 2]:.1f} s" if gaps else "-"
-        table.add_row(
-            short_id(s.session_id),
-            str(len(s.calls)),
-            f"{s.prompt_tokens:,}",
-            f"{s.reuse_rate:.1%}",
-            f"{s.ideal_rate:.1%}",
-            str(len(s.breaks)),
-            f"{s.lost_tokens:,}",
-            gap,
-        )
-    table.add_row(
-        "all",
-        str(sum(len(s.calls) for s in d.sessions)),
-        f"{d.prompt_tokens:,}",
-        f"{d.reuse_rate:.1%}",
-        f"{d.ideal_rate:.1%}",
-        str(sum(len(s.breaks) for s in d.sessions)),
-        f"{sum(s.lost_tokens for s in d.sessions):,}",
-        "",
-        style="bold",
-    )
-    console.print(table)
-    g = d.gaps
-    console.print(
-        f"tool wait (gap between calls): n={g.count}, p50 {g.p50_s:.2f} s, p90 {g.p90_s:.2f} s, "
-        f"p99 {g.p99_s:.2f} s, max {g.max_s:.2f} s"
-    )
-    zones = ", ".join(f"{k}: {v}" for k, v in sorted(d.zones.items(), key=lambda kv: -kv[1]))
-    console.print(f"where consecutive calls first differ: {zones or '-'}")
-    breaking = d.breaking_sessions
-    if breaking:
-        bt = Table(title="calls that break the prefix (layout problems)", title_justify="left")
-        for col in ("session", "call", "diverges at", "of prev", "zone", "lost tok"):
-            bt.add_column(col)
-        for s in breaking:
-            for c in s.breaks:
-                prev = s.calls[c.index - 1].prompt_tokens
-                bt.add_row(
-                    short_id(s.session_id),
-                    str(c.index),
-                    f"{c.divergence:,}",
-                    f"{c.divergence / prev:.0%}" if prev else "-",
-                    c.divergence_zone or "-",
-                    f"{c.lost_tokens:,}",
-                )
-        console.print(bt)
-    else:
-        console.print("no session breaks its prefix: every call extends the previous one")
-    if turns:
-        tt = Table(title="calls", title_justify="left")
-        for col in ("session", "call", "tokens", "reuse", "ideal", "diverges at", "zone", "gap"):
-            tt.add_column(col)
-        for s in d.sessions:
-            for c in s.calls:
-                tt.add_row(
-                    short_id(s.session_id),
-                    str(c.index),
-                    f"{c.prompt_tokens:,}",
-                    f"{c.reuse_tokens:,}",
-                    f"{c.ideal_tokens:,}",
-                    "-" if c.divergence is None else f"{c.divergence:,}",
-                    c.divergence_zone or "-",
-                    "-" if c.gap_s is None else f"{c.gap_s:.2f} s",
-                )
-        console.print(tt)

@@ -1,0 +1,124 @@
+"""`kvpilot calibrate`: measure the real engine's per-step cost on this machine and fit a
+simulator profile, then check it against a replay on both."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from kvpilot.cli.sim_support import (
+    HELP_CALLS,
+    HELP_HEAD_TOKENS,
+    HELP_MAX_CALL_TOKENS,
+    HELP_MAX_OUTPUT_TOKENS,
+    HELP_SESSIONS,
+    default_miniswe_dir,
+    resolve_trace_paths,
+)
+from kvpilot.errors import KvpilotError
+
+
+def _fail(exc: KvpilotError) -> typer.Exit:
+    typer.echo(f"error: {exc}", err=True)
+    return typer.Exit(code=2)
+
+
+def calibrate(
+    model: Annotated[str, typer.Option(help="Checkpoint folder or 'tiny'.")] = "tiny",
+    out: Annotated[Path, typer.Option(help="Where to write the JSON profile.")] = Path(
+        "kvpilot-profile.json"
+    ),
+    kv_blocks: Annotated[int, typer.Option(help="KV pool blocks of the measured engine.")] = 2048,
+    quick: Annotated[bool, typer.Option(help="Fewer batches (a rougher fit).")] = False,
+    threads: Annotated[int, typer.Option(help="Torch CPU threads while measuring.")] = 1,
+    check: Annotated[
+        bool, typer.Option(help="Replay a trace on both and compare (default: miniswe).")
+    ] = True,
+    trace: Annotated[list[str] | None, typer.Option(help="Trace for --check.")] = None,
+    sessions: Annotated[int | None, typer.Option(help=HELP_SESSIONS)] = 2,
+    calls: Annotated[int | None, typer.Option(help=HELP_CALLS)] = None,
+    max_call_tokens: Annotated[
+        int | None,
+        typer.Option(help=HELP_MAX_CALL_TOKENS + " Default: the model's limit less the output."),
+    ] = None,
+    head_tokens: Annotated[int | None, typer.Option(help=HELP_HEAD_TOKENS)] = None,
+    max_output_tokens: Annotated[int | None, typer.Option(help=HELP_MAX_OUTPUT_TOKENS)] = 32,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Measure the real engine's per-step cost on this machine and fit a simulator profile."""
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from kvpilot.sim import calibrate as cal
+    from kvpilot.sim.replay import ReplayOptions, load_replay
+
+    console = Console(stderr=as_json)
+    try:
+        paths = resolve_trace_paths(trace) if trace else None
+        if check and paths is None and default_miniswe_dir() is not None:
+            paths = [default_miniswe_dir()]  # type: ignore[list-item]
+        limits = ReplayOptions(
+            max_sessions=sessions,
+            max_calls=calls,
+            max_call_tokens=max_call_tokens,
+            head_tokens=head_tokens,
+            max_output_tokens=max_output_tokens,
+            min_calls=3,
+        )
+        with Progress(console=console, transient=True, disable=as_json) as bar:
+            task = bar.add_task("calibrating", total=None)
+            profile = cal.calibrate(
+                model,
+                kv_blocks=kv_blocks,
+                quick=quick,
+                threads=threads,
+                on_progress=lambda i, n: bar.update(task, completed=i, total=n),
+            )
+        profile.save(out)
+        result: dict[str, Any] = {"profile": str(out), **profile.to_json()}
+        if check and paths:
+            cap = max_call_tokens
+            if cap is None and profile.max_model_len:
+                cap = profile.max_model_len - (max_output_tokens or 1)
+            replay = load_replay(
+                paths,
+                ReplayOptions(
+                    vocab_size=32000,
+                    tokenize=cal.tokenizer_of(model),
+                    max_output_tokens=limits.max_output_tokens,
+                    head_tokens=limits.head_tokens,
+                    max_call_tokens=cap,
+                    max_sessions=limits.max_sessions,
+                    max_calls=limits.max_calls,
+                    min_calls=limits.min_calls,
+                ),
+            )
+            outcome = cal.check_replay(profile, replay, model=model, kv_blocks=kv_blocks)
+            result["check"] = outcome.to_json()
+    except KvpilotError as exc:
+        raise _fail(exc) from exc
+    if as_json:
+        typer.echo(json.dumps(result))
+        return
+    coeffs = result["coefficients_s"]
+    console.print(
+        f"wrote {out}: step = {coeffs['const'] * 1e3:.2f} ms + "
+        f"{coeffs['prefill_tokens'] * 1e6:.1f} us/prefill token + "
+        f"{coeffs['decode_seqs'] * 1e6:.1f} us/decode + "
+        f"{coeffs['kv_read_tokens'] * 1e9:.1f} ns/KV token read + "
+        f"{coeffs['attention_pairs'] * 1e9:.2f} ns/attention pair "
+        f"({profile.samples} steps up to {profile.max_context_tokens:,} tokens of context, "
+        f"R^2 {profile.r2:.3f}, median error {profile.median_rel_error:.1%})"
+    )
+    if "check" in result:
+        c = result["check"]
+        console.print(
+            f"replay check ({c['calls']} calls, prompts {c['prompt_tokens_min']:,}-"
+            f"{c['prompt_tokens_max']:,} tokens): real {c['real_tokens_per_s']:,.0f} tok/s, "
+            f"simulated {c['sim_tokens_per_s']:,.0f} tok/s (error {c['throughput_error']:.1%}); "
+            f"hit rate real {c['real_hit_rate']:.1%}, simulated {c['sim_hit_rate']:.1%} "
+            f"(CPU time)"
+        )

@@ -1,0 +1,241 @@
+"""Uniform decode runs: many decode-only steps of the engine advanced at once.
+
+Between events, a batch in which every running sequence decodes changes predictably: each
+step every sequence appends one token, now and then crosses into a new block, and fills
+one; the step's time follows from the positions. `advance_decode_run(engine, until)` does
+``k`` such steps in one call with the same result as ``k`` calls of `Engine.step()`: the
+same tokens and token times, the same blocks allocated in the same order, the same radix
+commits at the same clock times, the same telemetry, counters and offload polls. Per step
+it only moves the clock, polls the offload manager, and allocates or commits where a block
+boundary falls; the per-token work is done per sequence, in bulk.
+
+It returns 0 (and changes nothing) unless the next step is such a step:
+
+- every running sequence decodes (one token left to compute), the step's budget covers
+  them all, and no waiting sequence could be admitted (nothing waits, or the batch is at
+  ``max_num_seqs`` or uses the whole token budget);
+- every block the run needs is free or evictable from the prefix cache (a run allocates,
+  and so evicts, at the same steps and in the same order as `Engine.step`);
+- no tier copy is in flight and no offload timer is due;
+- the executor implements `DecodeRunExecutor` and the clock can `advance` (a simulation).
+
+``k`` ends before the step that samples any sequence's last token (``max_tokens``, the
+model's length, a stop token: finishing is left to `Engine.step`), before the pool would
+run out of free and evictable blocks (preemption is left to `Engine.step`), and before the
+step that would start at or after ``until`` (the caller's next event).
+
+    step:     0        1        2              k-1        k
+    time:   s_0 ---> s_1 ---> s_2 --- ... ---> s_{k-1} ---> s_k      s_j < until for j < k
+                 dt_0     dt_1                      dt_{k-1}
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterator, Sequence
+from typing import TYPE_CHECKING, Protocol
+
+from kvpilot.memory.tiers import Tier
+
+if TYPE_CHECKING:
+    from kvpilot.engine.engine import Engine
+    from kvpilot.memory import Trajectory
+
+MAX_RUN_STEPS = 4096
+
+
+class DecodeRunExecutor(Protocol):
+    """An executor that can account many decode-only steps at once (the simulator's)."""
+
+    def decode_run_times(self, positions: Sequence[int]) -> Iterator[float]:
+        """Seconds of each successive step decoding sequences at ``positions`` (their start
+        positions at the first step), exactly as `execute` would take."""
+        ...
+
+    def decode_run_tokens(self, seed: int, first_step: int, steps: int) -> list[int]:
+        """The tokens `execute` samples for a sequence of ``seed`` at generation steps
+        ``first_step`` onwards."""
+        ...
+
+    def record_decode_run(
+        self, seq_ids: Sequence[int], positions: Sequence[int], durations: Sequence[float]
+    ) -> None:
+        """Count the steps as executed (the caller moves the clock)."""
+        ...
+
+
+def _blocks_by(k: int, first: int, block: int) -> int:
+    """Boundary steps j < k of the arithmetic progression first, first + block, ..."""
+    return 0 if k <= first else (k - first - 1) // block + 1
+
+
+def _extends_in_place(traj: Trajectory) -> bool:
+    """Whether the trajectory's commits grow its locked node in place (`RadixCache.
+    extend_leaf`: a non-root leaf with a device copy only, locked by it alone). Then only its
+    last commit of a run leaves a trace (the node's blocks and access time); otherwise its
+    first commit (a new node, queued for eviction at that time) matters too."""
+    node = traj.locked_node
+    return (
+        not node.is_root
+        and not node.children
+        and node.lock_count == 1
+        and list(node.blocks) == [Tier.DEVICE]
+    )
+
+
+def advance_decode_run(engine: Engine, until: float, max_steps: int = MAX_RUN_STEPS) -> int:
+    """Advance ``engine`` by a uniform decode run ending before ``until`` (clock time);
+    returns the steps advanced (0: the next step is not a uniform decode, or a run of fewer
+    than two steps would not pay)."""
+    executor = engine.executor
+    times = getattr(executor, "decode_run_times", None)
+    clock = engine.clock
+    if times is None or getattr(clock, "advance", None) is None:
+        return 0
+    sched, cfg, offload, kv = engine.scheduler, engine.config.scheduler, engine.offload, engine.kv
+    running = sched.running
+    n = len(running)
+    if not n or n > cfg.max_num_batched_tokens or offload.busy():
+        return 0
+    if sched.waiting and n < cfg.max_num_batched_tokens and n < cfg.max_num_seqs:
+        return 0
+    now = clock.now()
+    timer = offload.next_event_at()
+    if timer is not None:
+        if timer <= now:
+            return 0
+        until = min(until, timer)
+    block = kv.block_size
+    k_max = max_steps
+    stops: list[Collection[int]] = []
+    for seq in running:
+        traj = seq.traj
+        tokens = len(traj.tokens)
+        if tokens - traj.num_computed_tokens != 1 or seq.last_token_time is None:
+            return 0
+        request = seq.request
+        params = request.params
+        if (params.stop and engine.tokenizer is not None) or (params.n > 1 and not request.forked):
+            return 0
+        # The step sampling the last token (max_tokens, model length) is left to step().
+        k_max = min(
+            k_max,
+            params.max_tokens - len(seq.output_token_ids) - 1,
+            engine.max_model_len - tokens - 1,
+        )
+        stop: Collection[int] = params.stop_token_ids
+        if not params.ignore_eos and engine.eos_token_ids:
+            stop = frozenset(stop) | engine.eos_token_ids
+        stops.append(stop)
+    if k_max < 2:
+        return 0
+    # Blocks: sequence i needs one at steps first_i, first_i + B, ...; stay within what is
+    # free or evictable from the cache (allocating evicts, in the same order as step() would).
+    positions = [seq.traj.num_computed_tokens for seq in running]
+    firsts = [
+        len(seq.traj.block_table) * block - p for seq, p in zip(running, positions, strict=True)
+    ]
+    free = kv.free_blocks()
+    k = 0
+    durations: list[float] = []
+    starts = [now]
+    t = now
+    for dt in times(positions):  # step k starts at t: take it if it starts before `until`
+        if k == k_max or (k and t >= until):
+            break
+        t += dt
+        durations.append(dt)
+        starts.append(t)
+        k += 1
+    while k and sum(_blocks_by(k, f, block) for f in firsts) > free:
+        k -= 1
+    sampled = []
+    for seq, stop_ids in zip(running, stops, strict=True):
+        tokens = executor.decode_run_tokens(seq.seed, len(seq.output_token_ids), k)  # type: ignore[attr-defined]
+        if stop_ids and any(tok in stop_ids for tok in tokens):
+            k = min(k, next(j for j, tok in enumerate(tokens) if tok in stop_ids))
+        sampled.append(tokens)
+    if k < 2:
+        return 0
+    _apply(engine, positions, firsts, durations[:k], starts[: k + 1], sampled)
+    return k
+
+
+def _apply(
+    engine: Engine,
+    positions: list[int],
+    firsts: list[int],
+    durations: list[float],
+    starts: list[float],
+    sampled: list[list[int]],
+) -> None:
+    """Replay ``len(durations)`` decode steps onto the engine, in step order where it matters."""
+    k = len(durations)
+    running = engine.scheduler.running
+    n = len(running)
+    block = engine.kv.block_size
+    clock, offload, stats = engine.clock, engine.offload, engine.stats
+    commit = engine.config.scheduler.enable_prefix_caching
+    # What happens at step j besides the tokens: (sequence, commit?); allocations sort first.
+    events: dict[int, list[tuple[bool, int]]] = {}
+    for i, seq in enumerate(running):
+        traj = seq.traj
+        p = positions[i]
+        for j in range(firsts[i], k, block):
+            events.setdefault(j, []).append((False, i))
+        if commit:
+            locked = traj.locked_tokens // block
+            first = max(0, (locked + 1) * block - p - 1)  # the first step whose commit adds
+            if first < k:
+                # Later commits extend one leaf: only the last one shows (its blocks, its
+                # access time), at the last step that completes a block.
+                last = (p + k) // block * block - p - 1
+                if first < last and not _extends_in_place(traj):
+                    events.setdefault(first, []).append((True, i))
+                events.setdefault(max(first, last), []).append((True, i))
+        tokens = sampled[i][:k]
+        seq.output_token_ids.extend(tokens)
+        traj.append_tokens(tokens)
+    idle = engine.sessions.idle  # what Engine.step polls with
+    advance = clock.advance  # type: ignore[attr-defined]
+    # A poll before next_poll_at is a no-op; the margin only adds harmless early polls.
+    poll_at = offload.next_poll_at()
+    poll_at -= 1e-9 * max(1.0, abs(poll_at))
+    step_time = stats.step_time_s
+    for j in range(k):  # as Engine.step: poll, schedule (allocate), execute, commit
+        if starts[j] >= poll_at:
+            offload.poll(idle)
+            poll_at = offload.next_poll_at()
+            poll_at -= 1e-9 * max(1.0, abs(poll_at))
+        todo = events.get(j)
+        if todo is not None:
+            todo.sort()
+            for is_commit, i in todo:
+                if not is_commit:
+                    traj = running[i].traj
+                    traj.allocate(positions[i] + j + 1 - traj.num_computed_tokens)
+        advance(durations[j])
+        step_time += starts[j + 1] - starts[j]
+        if todo is None:
+            continue
+        for is_commit, i in todo:
+            if is_commit:
+                traj = running[i].traj
+                traj.mark_computed(positions[i] + j + 1 - traj.num_computed_tokens)
+                traj.commit()
+    stats.step_time_s = step_time
+    end_time = starts[k]
+    itl = stats.itl_s
+    itl.extend([starts[1] - seq.last_token_time for seq in running])  # type: ignore[operator]
+    for j in range(1, k):
+        itl.extend([starts[j + 1] - starts[j]] * n)
+    for i, seq in enumerate(running):
+        traj = seq.traj
+        traj.mark_computed(positions[i] + k - traj.num_computed_tokens)
+        seq.last_token_time = end_time
+        offload.observe_computed(traj)
+    stats.steps += k
+    stats.decode_tokens += n * k
+    stats.generated_tokens += n * k
+    engine.executor.record_decode_run(  # type: ignore[attr-defined]
+        [seq.seq_id for seq in running], positions, durations
+    )

@@ -1,0 +1,213 @@
+"""Uniform decode runs (kvpilot.engine.decode_run) change nothing but the simulator's speed.
+
+Each workload is simulated twice on the same seed: stepping the engine one step at a time,
+and with decode runs. Every request's token times, every inter-token latency, the telemetry
+samples, the counters, and the final memory state (radix tree with its access times, block
+tables, free list) must be identical.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvpilot.engine.config import EngineConfig
+from kvpilot.engine.decode_run import advance_decode_run
+from kvpilot.engine.engine import Engine
+from kvpilot.memory.radix import RadixNode
+from kvpilot.sim.build import SimSetup, build_engine
+from kvpilot.sim.drivers import AgentDriver
+from kvpilot.sim.runner import SimulatedRunner
+from kvpilot.sim.simulator import Simulator
+from kvpilot.sim.workload import WorkloadConfig
+
+
+def workload(seed: int, agents: int, forks: float, wait: float, turns: int) -> WorkloadConfig:
+    return WorkloadConfig.from_dict(
+        {
+            "seed": seed,
+            "arrival": {"concurrent": agents, "ramp_s": 3},
+            "trajectory": {
+                "turns": {"dist": "uniform", "low": 1, "high": turns},
+                "task_tokens": {"dist": "lognormal", "median": 150, "sigma": 0.8, "max": 900},
+                "observation_tokens": {"dist": "lognormal", "median": 60, "sigma": 1.0},
+                "output_tokens": {"dist": "lognormal", "median": 60, "sigma": 0.8, "max": 400},
+                "max_context_tokens": 3000,
+            },
+            "shared_prefix": {"system_tokens": 100, "tool_tokens": 37},
+            "tools": {
+                "fast": {"weight": 2, "wait": {"dist": "lognormal", "median": wait, "sigma": 1}},
+                "slow": {
+                    "weight": 1,
+                    "wait": {"dist": "lognormal", "median": 6 * wait, "sigma": 0.5},
+                },
+            },
+            "pause_hints": "median",
+            "branching": {"probability": forks, "fork_factor": 2, "branch_turns": 2},
+        }
+    )
+
+
+def simulate(
+    setup: SimSetup, wl: WorkloadConfig, policy: str, runs: bool
+) -> tuple[Simulator, Engine]:
+    engine, _ = build_engine(setup, wl.vocab_size, policy)
+    sim = Simulator(engine, duration_s=setup.duration_s, sample_interval_s=0.7, decode_runs=runs)
+    sim.run(AgentDriver(wl, engine.max_model_len))
+    engine.check_invariants()
+    return sim, engine
+
+
+def radix_dump(engine: Engine) -> list[Any]:
+    out: list[Any] = []
+
+    def walk(node: RadixNode, depth: int) -> None:
+        for key in sorted(node.children):
+            child = node.children[key]
+            blocks = {tier.value: list(ids) for tier, ids in child.blocks.items()}
+            out.append((depth, bytes(child.tokens), blocks, child.last_access, child.lock_count))
+            walk(child, depth + 1)
+
+    for salt, root in sorted(engine.kv.radix.roots().items(), key=lambda kv: str(kv[0])):
+        out.append(("root", salt))
+        walk(root, 0)
+    return out
+
+
+def state(sim: Simulator, engine: Engine) -> dict[str, Any]:
+    runner = engine.executor
+    assert isinstance(runner, SimulatedRunner)
+    turns = sim.turns
+    trajectories = {
+        t.traj_id: (list(t.tokens), list(t.block_table), t.num_computed_tokens, t.locked_tokens)
+        for t in engine.kv.trajectories.values()
+    }
+    stats = engine.stats
+    return {
+        "arrival": np.asarray(turns.arrival_s),
+        "first_token": np.asarray(turns.first_token_s),
+        "finish": np.asarray(turns.finish_s),
+        "tokens": (list(turns.prompt_tokens), list(turns.cached_tokens), list(turns.output_tokens)),
+        "itl": np.asarray(sim.itl_s),
+        "samples": sim.samples.as_arrays(),
+        "clock": engine.clock.now(),
+        "counters": (
+            stats.steps,
+            stats.prefill_tokens,
+            stats.decode_tokens,
+            stats.generated_tokens,
+            stats.prompt_tokens,
+            stats.cached_tokens,
+            runner.steps,
+            runner.recomputed_tokens,
+            engine.scheduler.num_preemptions,
+            dict(engine.offload.stats.decisions),
+            dict(engine.offload.stats.bytes_moved),
+        ),
+        "times": (stats.step_time_s, runner.busy_s, engine.offload.stats.idle_gb_s),
+        "trajectories": trajectories,
+        "free": list(engine.kv.device._free),
+        "radix": radix_dump(engine),
+    }
+
+
+def assert_same(a: dict[str, Any], b: dict[str, Any]) -> None:
+    for key in ("arrival", "first_token", "finish", "itl"):
+        np.testing.assert_allclose(a[key], b[key], rtol=1e-12, atol=1e-12, err_msg=key)
+    for name, values in a["samples"].items():
+        np.testing.assert_allclose(values, b["samples"][name], rtol=1e-12, err_msg=name)
+    assert a["clock"] == pytest.approx(b["clock"], rel=1e-12)
+    assert a["times"] == pytest.approx(b["times"], rel=1e-9)
+    for key in ("tokens", "counters", "trajectories", "free", "radix"):
+        assert a[key] == b[key], key
+
+
+def setup_for(blocks: int, tau: float, budget: int, caching: bool) -> SimSetup:
+    return SimSetup(
+        model="llama-3-8b",
+        node="h100",
+        kv_blocks=blocks,
+        duration_s=60.0,
+        engine=EngineConfig.from_kwargs(
+            max_num_seqs=64,
+            max_num_batched_tokens=budget,
+            max_prefill_chunk=256,
+            tau_high=tau,
+            enable_prefix_caching=caching,
+        ),
+    )
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seed=st.integers(0, 10_000),
+    agents=st.integers(1, 24),
+    forks=st.sampled_from([0.0, 0.3]),
+    wait=st.sampled_from([0.2, 1.5, 8.0]),
+    turns=st.integers(1, 6),
+    blocks=st.sampled_from([220, 600, 4000]),
+    tau=st.sampled_from([0.6, 0.9]),
+    budget=st.sampled_from([24, 512]),
+    policy=st.sampled_from(["breakeven", "retain", "offload-host", "drop", "lru"]),
+    caching=st.booleans(),
+)
+def test_decode_runs_give_the_same_simulation_as_single_steps(
+    seed: int,
+    agents: int,
+    forks: float,
+    wait: float,
+    turns: int,
+    blocks: int,
+    tau: float,
+    budget: int,
+    policy: str,
+    caching: bool,
+) -> None:
+    setup = setup_for(blocks, tau, budget, caching)
+    wl = workload(seed, agents, forks, wait, turns)
+    stepped = state(*simulate(setup, wl, policy, runs=False))
+    jumped = state(*simulate(setup, wl, policy, runs=True))
+    assert_same(stepped, jumped)
+
+
+def test_decode_runs_replace_most_steps_under_a_decode_heavy_load() -> None:
+    setup = setup_for(4000, 0.9, 512, True)
+    wl = workload(7, 16, 0.0, 1.5, 4)
+    calls = 0
+    engine, _ = build_engine(setup, wl.vocab_size, "breakeven")
+    original = engine.step
+
+    def counted(**kwargs: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        return original(**kwargs)
+
+    engine.step = counted  # type: ignore[method-assign]
+    sim = Simulator(engine, duration_s=setup.duration_s)
+    sim.run(AgentDriver(wl, engine.max_model_len))
+    assert engine.stats.steps > 5 * calls  # most steps were advanced in runs
+
+
+def test_a_run_stops_before_the_next_event_and_before_a_sequence_finishes() -> None:
+    setup = setup_for(4000, 0.9, 512, True)
+    engine, _ = build_engine(setup, 32000)
+    from kvpilot.engine.sampling import SamplingParams
+
+    engine.add_request([5] * 40, SamplingParams(max_tokens=30, ignore_eos=True))
+    engine.add_request([6] * 70, SamplingParams(max_tokens=12, ignore_eos=True))
+    assert advance_decode_run(engine, until=1e9) == 0  # prefill first: not a decode step
+    engine.step()
+    t = engine.clock.now()
+    # Each decode step of this batch takes the same ~16 ms; stop before t + 0.05 s.
+    k = advance_decode_run(engine, until=t + 0.05)
+    step_s = (engine.clock.now() - t) / k
+    assert k >= 2 and engine.clock.now() - step_s < t + 0.05 <= engine.clock.now() + step_s
+    # The second request has 12 - 1 - k tokens to go; a run leaves its last one to step().
+    k2 = advance_decode_run(engine, until=1e9)
+    seq = engine.scheduler.running[1]
+    assert len(seq.output_token_ids) == 11 and k2 == 11 - 1 - k
+    assert advance_decode_run(engine, until=1e9) == 0
