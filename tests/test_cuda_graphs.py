@@ -66,7 +66,9 @@ def test_padded_static_decode_equals_the_eager_step(
         expected = eager.compute_logits(works)
         got = graphs.run(works)
         for i in range(n):
-            torch.testing.assert_close(got[i], expected[i], atol=1e-5, rtol=0)
+            # fp32 logits within 1e-4 (the bound): a padded batch is another M for
+            # the matmuls, which round differently
+            torch.testing.assert_close(got[i], expected[i], atol=1e-4, rtol=0)
     # padding wrote only into the pad block (batched matmuls of another M round differently)
     real = eager.kv_cache.data[:, :, :BLOCKS]
     torch.testing.assert_close(static.kv_cache.data[:, :, :BLOCKS], real, atol=1e-5, rtol=0)
