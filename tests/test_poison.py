@@ -64,7 +64,7 @@ def test_freed_device_and_host_blocks_hold_nan(tiny_model_dir: Path) -> None:
     assert runner.kv_cache.data[:, :, held].isnan().all()
     host = engine.kv.pools[Tier.HOST]
     ids = host.allocate(3)
-    transport.host[ids] = 1.0  # type: ignore[attr-defined]  # block-major: blocks are dim 0
+    transport.host[ids] = 1.0  # block-major: blocks are dim 0  # type: ignore[attr-defined]
     host.free(ids)
     assert transport.host[ids].isnan().all()  # type: ignore[attr-defined]
     engine.close()
