@@ -52,7 +52,7 @@ def fill(s: DiskBlockStore, ids: Sequence[int]) -> None:
 
 
 def slot_offset(s: DiskBlockStore, k: bytes) -> int:
-    return s._entries[k].slot * s.block_bytes
+    return s._slots.entries[k].slot * s.block_bytes
 
 
 class GatedStore(DiskBlockStore):

@@ -23,10 +23,9 @@ models, without the harness that drives it.
 
 from __future__ import annotations
 
-import contextlib
 import random
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,145 +33,39 @@ from typing import Any
 import numpy as np
 
 from kvpilot.engine.clock import VirtualClock
-from kvpilot.engine.config import DEFAULT_BLOCK_SIZE, EngineConfig
+from kvpilot.engine.config import EngineConfig
 from kvpilot.engine.engine import Engine
-from kvpilot.engine.executor import Executor, SeqWork, StepOutput
-from kvpilot.engine.request import RequestOutput
 from kvpilot.engine.sampling import SamplingParams
 from kvpilot.errors import ConfigError
-from kvpilot.sim.cost_model import BatchShape, batch_shape
 from kvpilot.sim.drivers import ReplayDriver
+from kvpilot.sim.measured import (
+    CALIBRATION_CONFIG,
+    StepClock,
+    StepSample,
+    TimedExecutor,
+    block_size_of,
+    real_engine,
+    torch_threads,
+)
 from kvpilot.sim.profile import PROFILE_FEATURES, CalibratedCostModel, StepProfile
 from kvpilot.sim.replay import ReplaySession
 from kvpilot.sim.runner import SimulatedRunner
 from kvpilot.sim.simulator import Simulator
 
-CALIBRATION_CONFIG = EngineConfig.from_kwargs(max_num_batched_tokens=1024, max_prefill_chunk=512)
-
-
-def _block_size(config: EngineConfig) -> int:
-    return config.runner.block_size or DEFAULT_BLOCK_SIZE
-
-
-class StepClock:
-    """The real engine's own time: this process's CPU time spent inside `Engine.step`, plus
-    idle time (``sleep`` adds it without waiting).
-
-    Calibration fits whole steps and the simulator charges nothing else, so on the real side
-    the harness that drives a replay (event loop, driver, submissions) must not count either:
-    only `MeasuredEngine.step` runs the clock.
-    """
-
-    def __init__(self) -> None:
-        self._done = 0.0
-        self._idle = 0.0
-        self._since: float | None = None
-
-    def now(self) -> float:
-        running = 0.0 if self._since is None else time.process_time() - self._since
-        return self._done + self._idle + running
-
-    def sleep(self, seconds: float) -> None:
-        if seconds > 0:
-            self._idle += seconds
-
-    @contextlib.contextmanager
-    def running(self) -> Iterator[None]:
-        self._since = time.process_time()
-        try:
-            yield
-        finally:
-            self._done += time.process_time() - self._since
-            self._since = None
-
-
-class MeasuredEngine(Engine):
-    """The real engine, its `StepClock` running while it steps."""
-
-    def step(self, *, snapshots: bool = True) -> list[RequestOutput]:
-        clock = self.clock
-        assert isinstance(clock, StepClock)
-        with clock.running():
-            return super().step(snapshots=snapshots)
-
-
-class TimedExecutor:
-    """A real executor that remembers the shape of its last batch."""
-
-    def __init__(self, inner: Executor) -> None:
-        self.inner = inner
-        self.block_size = inner.block_size
-        self.num_blocks = inner.num_blocks
-        self.fingerprint = inner.fingerprint
-        self.last_shape: BatchShape | None = None
-        self.max_context = 0  # the longest context any step reached
-
-    def execute(self, works: Sequence[SeqWork]) -> StepOutput:
-        self.last_shape = batch_shape(works)
-        for w in works:
-            self.max_context = max(self.max_context, w.start_pos + len(w.token_ids))
-        return self.inner.execute(works)
-
-    def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
-        self.inner.copy_blocks(pairs)
-
-    def poison_blocks(self, blocks: Sequence[int]) -> None:
-        self.inner.poison_blocks(blocks)
-
-
-@dataclass(frozen=True, slots=True)
-class StepSample:
-    shape: BatchShape
-    seconds: float
-
-
-@contextlib.contextmanager
-def torch_threads(n: int | None) -> Iterator[None]:
-    """Run with ``n`` torch CPU threads (restored after). One thread measures steadily on a
-    shared machine; more threads spin against each other under contention."""
-    import torch
-
-    if n is None:
-        yield
-        return
-    old = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(old)
-
-
-def real_engine(
-    model: str | Path = "tiny",
-    *,
-    kv_blocks: int = 2048,
-    config: EngineConfig = CALIBRATION_CONFIG,
-    device: str = "cpu",
-    dtype: str = "float32",
-) -> tuple[Engine, TimedExecutor]:
-    """The real engine on ``model`` with a `TimedExecutor` around its ModelRunner."""
-    from kvpilot.model.runner import ModelRunner
-
-    runner = ModelRunner(
-        model,
-        num_blocks=kv_blocks,
-        block_size=_block_size(config),
-        dtype=dtype,
-        device=device,
-        attention=config.runner.attention or "torch",
-    )
-    timed = TimedExecutor(runner)
-    engine = MeasuredEngine(
-        timed,
-        config,
-        tokenizer=runner.tokenizer,
-        eos_token_ids=runner.eos_token_ids,
-        max_model_len=runner.max_model_len,
-        vocab_size=runner.config.vocab_size,
-        clock=StepClock(),
-    )
-    return engine, timed
+__all__ = [
+    "CALIBRATION_CONFIG",
+    "ReplayCheck",
+    "StepClock",
+    "StepSample",
+    "TimedExecutor",
+    "calibrate",
+    "check_replay",
+    "fit_profile",
+    "measure_steps",
+    "real_engine",
+    "tokenizer_of",
+    "torch_threads",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -365,7 +258,7 @@ def calibrate(
         model=str(model),
         device="cpu",
         dtype="float32",
-        block_size=_block_size(config),
+        block_size=block_size_of(config),
         copy_block_s=copy_s,
         max_model_len=engine.max_model_len,
         max_context_tokens=timed.max_context,
@@ -469,7 +362,7 @@ def check_replay(
         CalibratedCostModel(profile),
         clock,
         num_blocks=kv_blocks,
-        block_size=_block_size(config),
+        block_size=block_size_of(config),
         vocab_size=real.vocab_size or 32000,
     )
     simulated = Engine(

@@ -32,6 +32,7 @@ from kvpilot.errors import ConfigError, InvalidRequest, KvpilotError
 from kvpilot.memory.hashing import HASH_BYTES, ModelFingerprint
 from kvpilot.store.index import INDEX_FILENAME, BlockIndex, IndexEntry
 from kvpilot.store.slot_file import SlotFile, checksum, lock_directory
+from kvpilot.store.slots import SlotTable
 from kvpilot.store.stats import DiskStoreStats, StoreCounters
 from kvpilot.store.writer import BatchWriter
 
@@ -112,13 +113,7 @@ class DiskBlockStore:
             os.close(self._lock_fd)
             raise
         self._lock = threading.Lock()
-        self._entries: OrderedDict[bytes, IndexEntry] = OrderedDict(self._index.load())
-        used = {e.slot for e in self._entries.values()}
-        self._free = [s for s in range(num_slots - 1, -1, -1) if s not in used]
-        self._in_flight: set[int] = set()
-        self._pins: dict[bytes, int] = {}
-        self._pending_deletes: set[bytes] = set()
-        self._touched: set[bytes] = set()
+        self._slots = SlotTable(num_slots, self._index.load())
         self._counters = StoreCounters()
         self._closed = False
         try:
@@ -186,15 +181,13 @@ class DiskBlockStore:
             log.warning("disk store %s: %d block writes failed: %s", self.directory, len(rows), exc)
             with self._lock:
                 for p in planned.values():
-                    self._in_flight.discard(p.slot)
-                    self._free.append(p.slot)
+                    self._slots.abandoned(p.slot)
                     results[p.item] = False
                 self._counters.write_errors += len(planned)
             return results
         with self._lock:
             for key, entry in rows:
-                self._in_flight.discard(entry.slot)
-                self._entries[key] = entry
+                self._slots.written(key, entry)
             if planned:
                 self._counters.blocks_written += len(planned)
                 self._counters.bytes_written += nbytes
@@ -208,8 +201,8 @@ class DiskBlockStore:
         results = [True] * len(items)
         planned: OrderedDict[bytes, _Planned] = OrderedDict()
         for i, put in enumerate(items):
-            if put.key in self._entries:
-                self._touch(put.key, now)
+            if put.key in self._slots.entries:
+                self._slots.touch(put.key, now)
                 continue
             if put.key in planned:
                 continue
@@ -221,17 +214,13 @@ class DiskBlockStore:
         return results, planned
 
     def _take_slot(self, planned: OrderedDict[bytes, _Planned]) -> int | None:
-        if self._free:
-            slot = self._free.pop()
-            self._in_flight.add(slot)
+        slot = self._slots.take_free()
+        if slot is not None:
             return slot
-        victim = next((k for k in self._entries if k not in self._pins), None)
-        if victim is not None:
-            slot = self._forget(victim).slot
-            self._in_flight.add(slot)
-        elif planned:
+        slot = self._slots.evict_lru()
+        if slot is None and planned:
             slot = planned.popitem(last=False)[1].slot
-        else:
+        if slot is None:
             return None
         self._counters.evictions += 1
         return slot
@@ -241,19 +230,14 @@ class DiskBlockStore:
 
     def _commit(self, inserts: Sequence[tuple[bytes, IndexEntry]] = ()) -> None:
         with self._lock:
-            deletes, self._pending_deletes = self._pending_deletes, set()
-            touches = [
-                (k, self._entries[k].last_access) for k in self._touched if k in self._entries
-            ]
-            self._touched = set()
+            deletes, touches = self._slots.take_changes()
         if not (deletes or inserts or touches):
             return
         try:
             self._index.commit(deletes=deletes, inserts=inserts, touches=touches)
         except BaseException:
             with self._lock:
-                self._pending_deletes |= deletes
-                self._touched.update(k for k, _ in touches)
+                self._slots.give_back(deletes, touches)
             raise
 
     # -- reads ----------------------------------------------------------------------------------
@@ -267,7 +251,7 @@ class DiskBlockStore:
         for key in keys:
             _check_key(key)
         with self._lock:
-            found = [(i, key, self._entries.get(key)) for i, key in enumerate(keys)]
+            found = [(i, key, self._slots.entries.get(key)) for i, key in enumerate(keys)]
         wanted = sorted(((i, k, e) for i, k, e in found if e is not None), key=lambda t: t[2].slot)
         raw: dict[int, bytes] = {}
         start = time.perf_counter()
@@ -297,13 +281,13 @@ class DiskBlockStore:
                     c.hits += 1
                     c.blocks_read += 1
                     c.bytes_read += len(raw[i])
-                    if self._entries.get(key) is entry:
-                        self._touch(key, now)
+                    if self._slots.entries.get(key) is entry:
+                        self._slots.touch(key, now)
                     continue
                 c.misses += 1
                 # A block evicted or dropped while we read it is a plain miss, not damage.
-                if verdict != "absent" and self._entries.get(key) is entry:
-                    self._drop(key)
+                if verdict != "absent" and self._slots.entries.get(key) is entry:
+                    self._slots.drop(key)
                     if verdict == "corrupt":
                         c.corrupt += 1
                     else:
@@ -320,42 +304,35 @@ class DiskBlockStore:
     def contains(self, key: bytes) -> bool:
         """Index only (no read): a True may still turn into a miss if the data is damaged."""
         with self._lock:
-            return key in self._entries
+            return key in self._slots.entries
 
     def __contains__(self, key: object) -> bool:
         return isinstance(key, bytes) and self.contains(key)
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._slots.entries)
 
     def delete(self, key: bytes) -> bool:
         with self._lock:
-            if key not in self._entries:
+            if key not in self._slots.entries:
                 return False
-            self._drop(key)
+            self._slots.drop(key)
             return True
 
     def pin(self, key: bytes) -> bool:
         """Protects a stored block from eviction (counted: unpin as many times). False if absent."""
         with self._lock:
-            if key not in self._entries:
-                return False
-            self._pins[key] = self._pins.get(key, 0) + 1
-            return True
+            return self._slots.pin(key)
 
     def unpin(self, key: bytes) -> None:
         with self._lock:
-            count = self._pins.get(key, 0)
-            if count <= 1:
-                self._pins.pop(key, None)
-            else:
-                self._pins[key] = count - 1
+            self._slots.unpin(key)
 
     @property
     def stats(self) -> DiskStoreStats:
         with self._lock:
             return self._counters.snapshot(
-                blocks_stored=len(self._entries),
+                blocks_stored=len(self._slots.entries),
                 num_slots=self.num_slots,
                 queued_writes=self._writer.pending,
             )
@@ -363,14 +340,7 @@ class DiskBlockStore:
     def check_invariants(self) -> None:
         """Every slot is exactly one of: free, in flight, or held by one stored block."""
         with self._lock:
-            held = [e.slot for e in self._entries.values()]
-            assert len(set(held)) == len(held), "two blocks share a slot"
-            assert len(set(self._free)) == len(self._free), "a slot is free twice"
-            parts = [set(held), set(self._free), self._in_flight]
-            assert sum(map(len, parts)) == self.num_slots, "a slot is lost or double-counted"
-            assert set().union(*parts) == set(range(self.num_slots)), "a slot is out of range"
-            assert all(e.length <= self.block_bytes for e in self._entries.values())
-            assert set(self._pins) <= set(self._entries), "a pin outlived its block"
+            self._slots.check_invariants(self.block_bytes)
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -405,32 +375,16 @@ class DiskBlockStore:
         if self._closed:
             raise KvpilotError(f"disk store at {self.directory} is closed")
 
-    def _touch(self, key: bytes, now: float) -> None:
-        self._entries[key].last_access = now
-        self._entries.move_to_end(key)
-        self._touched.add(key)
-
-    def _forget(self, key: bytes) -> IndexEntry:
-        """Removes a block from the index (its row at the next commit); its slot is the caller's."""
-        entry = self._entries.pop(key)
-        self._pins.pop(key, None)
-        self._touched.discard(key)
-        self._pending_deletes.add(key)
-        return entry
-
-    def _drop(self, key: bytes) -> None:
-        self._free.append(self._forget(key).slot)
-
     def _reconcile_data_file(self) -> None:
         """Drops the rows whose data is gone (file deleted or cut short), then restores the file."""
         size = self._file.size()
         lost = [
             key
-            for key, e in self._entries.items()
+            for key, e in self._slots.entries.items()
             if size is None or e.slot * self.block_bytes + e.length > size
         ]
         for key in lost:
-            self._drop(key)
+            self._slots.drop(key)
         self._counters.missing += len(lost)
         if size is None or size < self._file.full_size:
             self._file.restore()
