@@ -11,7 +11,7 @@ DOTS   := sh -c '"$$@" & pid=$$!; dots=; while kill -0 $$pid 2>/dev/null; do sle
 	if kill -0 $$pid 2>/dev/null; then printf .; dots=1; fi; done; \
 	[ -z "$$dots" ] || echo; wait $$pid' --
 
-.PHONY: demo test lint format bench peers clean
+.PHONY: demo test lint typecheck format bench peers clean
 
 # On a machine without a GPU, the local CPU wheel of torch goes in first, so that the
 # package's own torch range never resolves to a multi-GB CUDA build.
@@ -44,7 +44,10 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-test: lint
+typecheck: $(STAMP)
+	$(VENV)/bin/mypy
+
+test: lint typecheck
 	$(VENV)/bin/pytest
 
 format: $(STAMP)

@@ -25,7 +25,10 @@ from kvpilot.units import format_bytes, format_seconds
 
 
 class PausePolicy(Protocol):
-    name: str
+    """What the engine asks of a pause policy (a frozen dataclass satisfies ``name``)."""
+
+    @property
+    def name(self) -> str: ...
 
     def decide(self, inputs: PauseInputs) -> PauseDecision:
         """The action for one paused trajectory."""

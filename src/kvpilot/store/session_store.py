@@ -122,8 +122,8 @@ class SessionStore:
                 f"meta of session {session_id!r} must be a JSON object of plain values ({exc})"
             ) from exc
         model = self.model
-        row = (session_id, blob, salt, meta_json, self._clock())
-        row += (model.digest, model.label) if model is not None else (None, None)
+        fingerprint = (model.digest, model.label) if model is not None else (None, None)
+        row = (session_id, blob, salt, meta_json, self._clock(), *fingerprint)
         with self._lock:
             self._check_open()
             self._conn.execute("INSERT OR REPLACE INTO sessions VALUES (?, ?, ?, ?, ?, ?, ?)", row)
