@@ -31,7 +31,7 @@ $(STAMP): pyproject.toml
 	fi
 	@echo "==> [4/4] Installing kvpilot (editable) with its dependencies (transformers, FastAPI,"
 	@echo "    uvicorn, prometheus-client, matplotlib, ...), Ray Serve for the fleet (kvpilot[fleet])"
-	@echo "    and test tools (pytest, hypothesis, ruff)"
+	@echo "    and test tools (pytest, hypothesis, ruff, mypy)"
 	@$(PIP) install -e '.[dev,fleet]'
 	@touch $(STAMP)
 	@echo "==> $(VENV) is ready"
