@@ -6,7 +6,7 @@ import random
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from kvpilot.errors import ConfigError
@@ -92,6 +92,7 @@ def test_pareto_and_lognormal_tails_match_their_parameters() -> None:
 
 @settings(max_examples=30, deadline=None)
 @given(seed=st.integers(0, 1000), index=st.integers(0, 50))
+@example(seed=480, index=48)  # a task drawn longer than the budget: cut to fit, not an error
 def test_trajectories_fit_their_context_budget(seed: int, index: int) -> None:
     config = WorkloadConfig(seed=seed, max_context_tokens=12000)
     spec = WorkloadGenerator(config).trajectory(index)

@@ -121,6 +121,11 @@ class WorkloadGenerator:
                     (br.branch_turns.sample_int(rng, 1), rng.getrandbits(63))
                     for _ in range(br.fork_factor)
                 ]
+            if starting and new + output > budget >= 2:
+                # A task drawn longer than the context allows is cut to fit: every
+                # trajectory starts with one (the draws, and so the other turns, unchanged).
+                output = min(output, max(1, budget // 4))
+                new = budget - output
             if new + output > budget:
                 break
             budget -= new + output
