@@ -42,7 +42,7 @@ from kvpilot.demo.client import (
     load_scripts,
 )
 from kvpilot.errors import ConfigError, KvpilotError
-from kvpilot.policy.breakeven import PauseAction
+from kvpilot.policy.breakeven import PauseAction, action_label
 from kvpilot.server.process import ServeProcess
 from kvpilot.units import format_byte_seconds, format_bytes, format_seconds
 
@@ -328,7 +328,8 @@ def _summary_table(s: DemoSummary) -> Table:
     decided = [(a, n) for a, n in s.decisions.items() if a != "demoted"]
     row(
         "pause decisions",
-        " · ".join(f"{_label(a)} {n}" for a, n in sorted(decided, key=lambda x: -x[1])) or "none",
+        " · ".join(f"{action_label(a)} {n}" for a, n in sorted(decided, key=lambda x: -x[1]))
+        or "none",
     )
     row(
         "demotions",
@@ -367,13 +368,6 @@ def _summary_table(s: DemoSummary) -> Table:
     stopped = "cleanly" if s.server_exit_code == 0 else f"with status {s.server_exit_code}"
     row("wall time", f"{format_seconds(s.wall_s)} (server stopped {stopped})")
     return table
-
-
-def _label(action: str) -> str:
-    try:
-        return PauseAction(action).label.lower()
-    except ValueError:
-        return action
 
 
 def _nbsp(text: str) -> str:

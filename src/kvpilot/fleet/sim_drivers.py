@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from kvpilot.engine.request import RequestOutput
 from kvpilot.errors import ConfigError
 from kvpilot.fleet.sim import FleetDriver, FleetSession, FleetSimulator
+from kvpilot.sim.arrivals import Arrivals, pause_hint
 from kvpilot.sim.replay import ReplaySession
 from kvpilot.sim.trajectories import TrajectorySpec, TurnSpec, WorkloadGenerator
 from kvpilot.sim.workload import WorkloadConfig
@@ -61,12 +62,10 @@ class FleetAgentDriver(FleetDriver):
         weights = [1.0 / (f + 1) ** family_skew for f in range(families)]
         self._family_weights = weights
         self._rng = random.Random(f"{config.seed}:families")
-        self._arrivals = random.Random(f"{config.seed}:arrivals")
         self._tool_median = {t.name: t.wait_s.median() for t in config.tools}
         self._uids = itertools.count()
         self._next_index = 0
-        self._open = 0
-        self._backlog = 0
+        self.arrivals = Arrivals(config, self._begin)
         self.started = 0
         self.completed = 0
         self.truncated = 0
@@ -79,7 +78,7 @@ class FleetAgentDriver(FleetDriver):
             "trajectories_completed": self.completed,
             "trajectories_truncated": self.truncated,
             "calls": self.calls,
-            "arrivals_waiting": self._backlog,
+            "arrivals_waiting": self.arrivals.backlog,
         }
 
     @property
@@ -89,26 +88,7 @@ class FleetAgentDriver(FleetDriver):
 
     def start(self, fleet: FleetSimulator) -> None:
         self._fleet = fleet
-        arrival = self.config.arrival
-        if arrival.concurrent is not None:
-            n = arrival.concurrent
-            for i in range(n):
-                fleet.at(arrival.ramp_s * i / n, self._begin)
-        else:
-            fleet.at(self._interarrival(), self._arrive)
-
-    def _interarrival(self) -> float:
-        rate = self.config.arrival.rate_per_s
-        assert rate is not None
-        return self._arrivals.expovariate(rate)
-
-    def _arrive(self) -> None:
-        self.fleet.after(self._interarrival(), self._arrive)
-        cap = self.config.arrival.max_open
-        if cap is not None and self._open >= cap:
-            self._backlog += 1
-        else:
-            self._begin()
+        self.arrivals.start(fleet)
 
     def _begin(self) -> None:
         index = self._next_index
@@ -118,7 +98,6 @@ class FleetAgentDriver(FleetDriver):
         gen = self.generators[family]
         actor = _Actor(next(self._uids), family, spec.turns, self.fleet.open_session(), [])
         self.started += 1
-        self._open += 1
         first = spec.turns[0]
         prompt = gen.shared_ids + self.trajectories.content(first.content_seed, first.new_tokens)
         self._send(actor, prompt)
@@ -138,16 +117,7 @@ class FleetAgentDriver(FleetDriver):
             self._end(actor)
 
     def _pause_hint(self, actor: _Actor) -> tuple[float | None, str | None] | None:
-        mode = self.config.pause_hints
-        turns = actor.turns
-        if mode == "none" or turns[actor.turn].fork is not None or actor.turn + 1 >= len(turns):
-            return None
-        nxt = turns[actor.turn + 1]
-        if mode == "exact":
-            return nxt.wait_before_s, nxt.tool
-        if mode == "median":
-            return self._tool_median[nxt.tool], nxt.tool
-        return None, nxt.tool
+        return pause_hint(self.config.pause_hints, actor.turns, actor.turn, self._tool_median)
 
     def _done(self, actor: _Actor, out: RequestOutput) -> None:
         actor.context = actor.session.tokens
@@ -194,12 +164,7 @@ class FleetAgentDriver(FleetDriver):
                 self._advance(parent)
             return
         self.completed += 1
-        self._open -= 1
-        if self.config.arrival.concurrent is not None:
-            self._begin()
-        elif self._backlog:
-            self._backlog -= 1
-            self._begin()
+        self.arrivals.ended()
 
 
 class FleetReplayDriver(FleetDriver):

@@ -59,6 +59,14 @@ _LABELS = {
 }
 
 
+def action_label(action: str) -> str:
+    """A recorded action's words in lower case ("offload to host"); unknown names as given."""
+    try:
+        return PauseAction(action).label.lower()
+    except ValueError:
+        return action
+
+
 @dataclass(frozen=True, slots=True)
 class PauseThresholds:
     """Where "plentiful", "high" and "negligible" start in the rule (see the module docstring)."""

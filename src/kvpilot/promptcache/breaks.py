@@ -63,7 +63,8 @@ __all__ = [
 ]
 
 
-def common_prefix_tokens(a: Sequence[int], b: Sequence[int]) -> int:
+def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share (bisection over slice compares)."""
     n = min(len(a), len(b))
     if list(a[:n]) == list(b[:n]):
         return n
@@ -79,7 +80,7 @@ def common_prefix_tokens(a: Sequence[int], b: Sequence[int]) -> int:
 
 def classify_break(prev: PromptView, new: PromptView) -> PrefixBreak | None:
     """The break between consecutive requests, or None if ``new`` extends ``prev``'s prompt."""
-    k = common_prefix_tokens(prev.tokens, new.tokens)
+    k = common_prefix_len(prev.tokens, new.tokens)
     if k >= len(prev.tokens):
         return None
     if prev.structured and new.structured:

@@ -23,7 +23,7 @@ from kvpilot.promptcache.breaks import (
     PrefixBreak,
     PromptView,
     classify_break,
-    common_prefix_tokens,
+    common_prefix_len,
 )
 
 MAX_CONVERSATIONS = 8  # conversations remembered per group (least recently used dropped)
@@ -90,18 +90,18 @@ class BreakDetector:
         return self._continue(current, view, brk, switched=False)
 
     def _best_other(self, view: PromptView, current: Conversation) -> Conversation | None:
-        own = common_prefix_tokens(current.last.tokens, view.tokens)
+        own = common_prefix_len(current.last.tokens, view.tokens)
         best, best_k = None, own
         for conv in self.conversations:
             if conv is current:
                 continue
-            k = common_prefix_tokens(conv.last.tokens, view.tokens)
+            k = common_prefix_len(conv.last.tokens, view.tokens)
             if k > best_k and k >= RETURN_FRACTION * len(conv.last.tokens):
                 best, best_k = conv, k
         return best
 
     def _reuse(self, last: Sequence[int], tokens: Sequence[int]) -> int:
-        k = common_prefix_tokens(last, tokens)
+        k = common_prefix_len(last, tokens)
         usable = max(0, len(tokens) - 1)  # the last prompt token is always computed
         return min(k, usable) // self.block_size * self.block_size
 

@@ -24,7 +24,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvpilot.promptcache.breaks import common_prefix_len
 from kvpilot.server.protocol import SessionHistory
+
+__all__ = [
+    "TurnPlan",
+    "chat_resends_history",
+    "common_prefix_len",
+    "completion_resends_history",
+    "plan_turn",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,20 +43,6 @@ class TurnPlan:
     tokens: list[int]
     restart: bool
     divergence_index: int | None
-
-
-def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    if list(a[:n]) == list(b[:n]):
-        return n
-    lo, hi = 0, n  # a[:lo] == b[:lo] and a[:hi] != b[:hi]
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if list(a[lo:mid]) == list(b[lo:mid]):
-            lo = mid
-        else:
-            hi = mid
-    return lo
 
 
 def plan_turn(history: Sequence[int], prompt: Sequence[int]) -> TurnPlan:

@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import functools
 import itertools
-import random
 from dataclasses import dataclass
 
 from kvpilot.engine.request import RequestOutput
 from kvpilot.engine.session import Session
+from kvpilot.sim.arrivals import Arrivals, pause_hint
 from kvpilot.sim.replay import ReplaySession
 from kvpilot.sim.simulator import Simulator
 from kvpilot.sim.trajectories import TrajectorySpec, TurnSpec, WorkloadGenerator
@@ -54,11 +54,9 @@ class AgentDriver:
         self.truncated = 0
         self.forks = 0
         self.calls = 0
-        self._open = 0
-        self._backlog = 0
+        self.arrivals = Arrivals(config, self._begin)
         self._next_index = 0
         self._uids = itertools.count()
-        self._arrivals = random.Random(f"{config.seed}:arrivals")
         self._unstable = config.layout == "unstable"
         self._volatile_at = self.generator.volatile_position()
         self._tool_median = {t.name: t.wait_s.median() for t in config.tools}
@@ -71,7 +69,7 @@ class AgentDriver:
             "trajectories_truncated": self.truncated,
             "forks": self.forks,
             "calls": self.calls,
-            "arrivals_waiting": self._backlog,
+            "arrivals_waiting": self.arrivals.backlog,
         }
 
     @property
@@ -81,26 +79,7 @@ class AgentDriver:
 
     def start(self, sim: Simulator) -> None:
         self._sim = sim
-        arrival = self.config.arrival
-        if arrival.concurrent is not None:
-            n = arrival.concurrent
-            for i in range(n):
-                sim.at(arrival.ramp_s * i / n, self._begin)
-        else:
-            sim.at(self._interarrival(), self._arrive)
-
-    def _interarrival(self) -> float:
-        rate = self.config.arrival.rate_per_s
-        assert rate is not None
-        return self._arrivals.expovariate(rate)
-
-    def _arrive(self) -> None:
-        self.sim.after(self._interarrival(), self._arrive)
-        cap = self.config.arrival.max_open
-        if cap is not None and self._open >= cap:
-            self._backlog += 1
-        else:
-            self._begin()
+        self.arrivals.start(sim)
 
     def _begin(self) -> None:
         index = self._next_index
@@ -109,7 +88,6 @@ class AgentDriver:
         session = self.sim.engine.open_session()
         actor = _Actor(next(self._uids), spec, spec.turns, session)
         self.started += 1
-        self._open += 1
         prompt = self.generator.first_prompt(spec)
         if self._unstable:
             prompt.insert(self._volatile_at, self._volatile(actor))
@@ -134,17 +112,7 @@ class AgentDriver:
             self._end(actor)
 
     def _pause_hint(self, actor: _Actor) -> tuple[float | None, str | None] | None:
-        """What the running turn says about the tool call after it (None: no pause follows)."""
-        mode = self.config.pause_hints
-        turns = actor.turns
-        if mode == "none" or turns[actor.turn].fork is not None or actor.turn + 1 >= len(turns):
-            return None
-        nxt = turns[actor.turn + 1]
-        if mode == "exact":
-            return nxt.wait_before_s, nxt.tool
-        if mode == "median":
-            return self._tool_median[nxt.tool], nxt.tool
-        return None, nxt.tool
+        return pause_hint(self.config.pause_hints, actor.turns, actor.turn, self._tool_median)
 
     def _next_call(self, actor: _Actor) -> None:
         turn = actor.turns[actor.turn]
@@ -193,12 +161,7 @@ class AgentDriver:
                 self._advance(parent)
             return
         self.completed += 1
-        self._open -= 1
-        if self.config.arrival.concurrent is not None:
-            self._begin()
-        elif self._backlog:
-            self._backlog -= 1
-            self._begin()
+        self.arrivals.ended()
 
 
 class ReplayDriver:

@@ -14,7 +14,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from kvpilot.policy.breakeven import PauseAction
+from kvpilot.policy.breakeven import PauseAction, action_label
 from kvpilot.top.sample import Sample
 from kvpilot.units import format_bytes, format_rate, format_seconds
 
@@ -166,7 +166,7 @@ def _tiers(s: Sample, prev: Sample | None) -> Table:
     table.add_row("KV moved", " · ".join(parts))
     decisions = s.by("kvpilot_pause_decisions_total", "action")
     made = [(a, n) for a, n in decisions.items() if n and a != "demoted"]
-    text = " · ".join(f"{_label(a)} {n:,.0f}" for a, n in sorted(made, key=lambda x: -x[1]))
+    text = " · ".join(f"{action_label(a)} {n:,.0f}" for a, n in sorted(made, key=lambda x: -x[1]))
     table.add_row("pauses", text or "none yet")
     table.add_row(
         "demoted",
@@ -174,13 +174,6 @@ def _tiers(s: Sample, prev: Sample | None) -> Table:
         f"recomputed {s.value('kvpilot_recomputed_tokens_total'):,.0f} tokens",
     )
     return table
-
-
-def _label(action: str) -> str:
-    try:
-        return PauseAction(action).label.lower()
-    except ValueError:
-        return action
 
 
 def _pauses(s: Sample, limit: int) -> Table:

@@ -35,6 +35,7 @@ import numpy as np
 from kvpilot.errors import ConfigError
 from kvpilot.promptcache.breaks import BreakCause, PromptView
 from kvpilot.promptcache.conversations import BreakDetector
+from kvpilot.promptcache.volatile import common_prefix_chars
 from kvpilot.trace.ideal import ideal_hits
 from kvpilot.trace.schema import TraceInput
 
@@ -253,14 +254,7 @@ def zone_at(offset: int, starts: Sequence[tuple[int, str]]) -> str:
 def _first_diff(a: Sequence[Any], b: Sequence[Any]) -> int:
     n = min(len(a), len(b))
     if isinstance(a, str) and isinstance(b, str):
-        lo, hi = 0, n
-        while lo < hi:  # binary search on prefix equality: O(n log n) char compares in C
-            mid = (lo + hi + 1) // 2
-            if a[:mid] == b[:mid]:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
+        return common_prefix_chars(a, b)
     x = np.asarray(a[:n], dtype=np.int64)
     y = np.asarray(b[:n], dtype=np.int64)
     diff = np.flatnonzero(x != y)
