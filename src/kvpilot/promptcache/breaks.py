@@ -59,7 +59,7 @@ __all__ = [
     "PrefixBreak",
     "PromptView",
     "classify_break",
-    "common_prefix_tokens",
+    "common_prefix_len",
 ]
 
 
