@@ -58,3 +58,7 @@ def require(condition: bool, message: str) -> None:
 
 class NoReplicaAvailable(KvpilotError):
     """Every replica of a fleet is down (or none has started yet)."""
+
+
+class TensorParallelError(KvpilotError):
+    """A tensor-parallel worker died, failed or stopped answering; the engine cannot go on."""

@@ -82,7 +82,7 @@ class LlamaModel:
         ops = self.ops  # chosen with the attention backend at load time
         state = attention.prepare(batch, self.windows)
         rope = ops.rope_state(self.rope, batch.positions)
-        residual = F.embedding(batch.input_ids, self.embed)
+        residual = self.embed_tokens(batch.input_ids)
         delta: torch.Tensor | None = None  # the last MLP's output, not yet added
         for index, layer in enumerate(self.layers):
             x, residual = ops.add_rms_norm(delta, residual, layer.input_norm, eps)
@@ -96,16 +96,31 @@ class LlamaModel:
             attended = attention.forward(
                 index, qk[:, :heads], qk[:, heads:], v, cache, batch, state, self.windows[index]
             )
-            out = ops.linear(attended.reshape(n_tokens, q_size), layer.o_proj, layer.o_bias)
+            out = self.reduce(
+                ops.linear(attended.reshape(n_tokens, q_size), layer.o_proj, layer.o_bias)
+            )
             x, residual = ops.add_rms_norm(out, residual, layer.post_norm, eps)
             gate_up = ops.linear(x, layer.gate_up, layer.gate_up_bias)
-            delta = ops.linear(ops.silu_mul(gate_up), layer.down, layer.down_bias)
+            delta = self.reduce(ops.linear(ops.silu_mul(gate_up), layer.down, layer.down_bias))
         return residual if delta is None else residual + delta
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits [n, vocab] of the given rows of `forward`'s output."""
         normed = rms_norm(hidden, self.final_norm, self.config.rms_norm_eps)
-        return self.ops.linear(normed, self.lm_head).float()
+        return self.gather_vocab(self.ops.linear(normed, self.lm_head)).float()
+
+    # Tensor parallelism overrides these three (`kvpilot.model.parallel.sharded_llama`).
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.embed)
+
+    def reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """A row-parallel layer's output: here whole; under TP, summed over the ranks."""
+        return partial
+
+    def gather_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """Logits over the whole vocabulary (under TP, each rank computes a shard)."""
+        return logits
 
 
 class _WeightStore:

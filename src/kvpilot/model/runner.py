@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -130,7 +130,7 @@ class ModelRunner:
                 max_batch=MAX_GRAPH_BATCH,
                 max_model_len=self.max_model_len,
             )
-        self.eos_token_ids = self._eos_ids()
+        self.eos_token_ids = eos_token_ids(self.path, self.config, self.tokenizer)
         self.sampler = Sampler()
 
     @staticmethod
@@ -151,21 +151,6 @@ class ModelRunner:
         if self.device.type == "cuda":
             return cuda_kv_budget_bytes(self.device, gpu_memory_utilization)
         return DEFAULT_CPU_KV_BYTES
-
-    def _eos_ids(self) -> tuple[int, ...]:
-        ids = list(self.config.eos_token_ids)
-        tokenizer_eos = getattr(self.tokenizer, "eos_token_id", None)
-        if isinstance(tokenizer_eos, int):
-            ids.append(tokenizer_eos)
-        generation = self.path / "generation_config.json"
-        if generation.is_file():
-            try:
-                raw = json.loads(generation.read_text(encoding="utf-8")).get("eos_token_id")
-            except (OSError, ValueError, AttributeError):
-                raw = None
-            values = raw if isinstance(raw, list) else [raw]
-            ids.extend(v for v in values if isinstance(v, int) and not isinstance(v, bool))
-        return tuple(dict.fromkeys(ids))
 
     def _batch(self, works: Sequence[SeqWork], wanted: Sequence[int]) -> StepBatch:
         return StepBatch.build(
@@ -203,27 +188,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, works: Sequence[SeqWork]) -> StepOutput:
-        if not works:
-            return StepOutput(tokens={})
-        wanted = [i for i, w in enumerate(works) if w.sampling is not None]
-        logits = self._run(works, wanted)
-        if logits is None:
-            return StepOutput(tokens={})
-        rows: list[SampleRow] = []
-        logit_rows: list[int] = []
-        for row, i in enumerate(wanted):
-            work = works[i]
-            assert work.sampling is not None
-            for branch in range(max(1, work.sample_count)):
-                rows.append(SampleRow(work.sampling, work.seed + branch, work.step))
-                logit_rows.append(row)
-        if len(logit_rows) != len(wanted):
-            logits = logits[torch.tensor(logit_rows, device=logits.device)]
-        sampled = self.sampler.sample(logits, rows)
-        tokens: dict[int, list[int]] = {}
-        for row, token in zip(logit_rows, sampled, strict=True):
-            tokens.setdefault(works[wanted[row]].seq_id, []).append(token)
-        return StepOutput(tokens=tokens)
+        return sample_step(works, self._run, self.sampler)
 
     @torch.inference_mode()
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
@@ -232,3 +197,49 @@ class ModelRunner:
     @torch.inference_mode()
     def poison_blocks(self, blocks: Sequence[int]) -> None:
         self.kv_cache.poison(blocks)
+
+
+def eos_token_ids(path: Path, config: ModelConfig, tokenizer: Any) -> tuple[int, ...]:
+    """The config's, the tokenizer's and generation_config.json's end-of-sequence ids."""
+    ids = list(config.eos_token_ids)
+    tokenizer_eos = getattr(tokenizer, "eos_token_id", None)
+    if isinstance(tokenizer_eos, int):
+        ids.append(tokenizer_eos)
+    generation = path / "generation_config.json"
+    if generation.is_file():
+        try:
+            raw = json.loads(generation.read_text(encoding="utf-8")).get("eos_token_id")
+        except (OSError, ValueError, AttributeError):
+            raw = None
+        values = raw if isinstance(raw, list) else [raw]
+        ids.extend(v for v in values if isinstance(v, int) and not isinstance(v, bool))
+    return tuple(dict.fromkeys(ids))
+
+
+RunFn = Callable[[Sequence[SeqWork], Sequence[int]], "torch.Tensor | None"]
+
+
+def sample_step(works: Sequence[SeqWork], run: RunFn, sampler: Sampler) -> StepOutput:
+    """One step of an executor: ``run`` computes KV and the logits of the works at the given
+    indices (those that sample); ``sampler`` draws each one's tokens."""
+    if not works:
+        return StepOutput(tokens={})
+    wanted = [i for i, w in enumerate(works) if w.sampling is not None]
+    logits = run(works, wanted)
+    if logits is None:
+        return StepOutput(tokens={})
+    rows: list[SampleRow] = []
+    logit_rows: list[int] = []
+    for row, i in enumerate(wanted):
+        work = works[i]
+        assert work.sampling is not None
+        for branch in range(max(1, work.sample_count)):
+            rows.append(SampleRow(work.sampling, work.seed + branch, work.step))
+            logit_rows.append(row)
+    if len(logit_rows) != len(wanted):
+        logits = logits[torch.tensor(logit_rows, device=logits.device)]
+    sampled = sampler.sample(logits, rows)
+    tokens: dict[int, list[int]] = {}
+    for row, token in zip(logit_rows, sampled, strict=True):
+        tokens.setdefault(works[wanted[row]].seq_id, []).append(token)
+    return StepOutput(tokens=tokens)
