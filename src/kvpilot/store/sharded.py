@@ -118,7 +118,7 @@ class ShardedDiskStore:
                 try:
                     per_rank = [f.result() for f in futures]
                     done.set_result([all(oks) for oks in zip(*per_rank, strict=True)])
-                except BaseException as exc:  # noqa: BLE001 - handed to the waiter
+                except BaseException as exc:  # handed to the waiter
                     done.set_exception(exc)
 
         for f in futures:

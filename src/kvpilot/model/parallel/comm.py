@@ -6,10 +6,14 @@ and the KV bytes of disk moves. The groups are built directly (not torch.distrib
 global default group), so an engine owns its groups and closing it leaves no global state.
 Every collective has the timeout given here: a rank that stops answering fails the
 collective instead of hanging it, and a rank that died fails it at once (its sockets close).
+Rank 0 uses a long timeout while the shards load, then the step timeout; the workers wait
+for rank 0's next command as long as it takes (an idle server sends none), and fail at once
+when rank 0's process is gone.
 """
 
 from __future__ import annotations
 
+import contextlib
 import pickle
 from datetime import timedelta
 from typing import Any
@@ -55,9 +59,7 @@ class RankGroups:
                 raise RuntimeError("this torch build has no NCCL")
             options = nccl.Options()
             options._timeout = timeout
-            self.device_group: Any = nccl(
-                dist.PrefixStore("device", store), rank, degree, options
-            )
+            self.device_group: Any = nccl(dist.PrefixStore("device", store), rank, degree, options)
         else:
             self.device_group = self.control
 
@@ -113,9 +115,12 @@ class RankGroups:
         self.control.allreduce([t], opts).wait()
         return int(t.item())
 
+    def set_timeout(self, timeout_s: float) -> None:
+        """The timeout of every later collective on this rank."""
+        for group in {id(g): g for g in (self.device_group, self.control)}.values():
+            group.set_timeout(timedelta(seconds=timeout_s))
+
     def close(self) -> None:
         for group in {id(g): g for g in (self.device_group, self.control)}.values():
-            try:
+            with contextlib.suppress(RuntimeError):  # a group whose peer died may refuse
                 group.shutdown()
-            except RuntimeError:
-                pass  # a group whose peer died may refuse an orderly shutdown

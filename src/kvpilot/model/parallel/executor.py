@@ -8,7 +8,8 @@ broadcasts them once on the control group, and every rank runs its shard; the lo
 gathered on every rank and rank 0 samples.
 
 Failure is loud, never a hang: before each command rank 0 checks that every worker is
-alive, every collective has a timeout (``timeout_s``), and a collective that fails (a
+alive, every collective of rank 0 has a timeout (``timeout_s``; ``startup_timeout_s`` while
+the workers load their shards), and a collective that fails (a
 dead peer closes its sockets at once) raises `TensorParallelError` naming the rank, its
 exit code and the worker's own traceback when it sent one. After a failure the executor
 refuses every call with the same error.
@@ -16,6 +17,7 @@ refuses every call with the same error.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import threading
@@ -43,7 +45,8 @@ from kvpilot.model.runner import eos_token_ids, parse_device, parse_dtype, sampl
 from kvpilot.model.sampler import Sampler
 from kvpilot.model.tokenizer import load_tokenizer
 
-DEFAULT_TIMEOUT_S = 300.0  # one collective (loading a large shard sits inside the first)
+DEFAULT_TIMEOUT_S = 120.0  # one collective of a step or a tier move, on rank 0
+DEFAULT_STARTUP_TIMEOUT_S = 1800.0  # workers start, join and load their shards
 STOP_GRACE_S = 10.0
 
 
@@ -88,6 +91,7 @@ class TensorParallelExecutor:
         cache_dir: Path | None = None,
         progress: LoadProgress | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
+        startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
     ) -> None:
         if num_blocks is not None and kv_memory_bytes is not None:
             raise ConfigError("give num_blocks or kv_memory_bytes, not both")
@@ -115,14 +119,15 @@ class TensorParallelExecutor:
             num_blocks=num_blocks,
             kv_memory_bytes=kv_memory_bytes,
             gpu_memory_utilization=gpu_memory_utilization,
-            timeout_s=timeout_s,
+            startup_timeout_s=startup_timeout_s,
             threads=max(1, (os.cpu_count() or 1) // degree),
         )
         self._lock = threading.Lock()
         self._error: TensorParallelError | None = None
         self._closed = False
         self._workers: list[_Worker] = []
-        store = open_store(0, 0, degree, timeout_s)
+        self.startup_timeout_s = startup_timeout_s
+        store = open_store(0, 0, degree, startup_timeout_s)
         try:
             self._spawn(spec, store.port)
             if progress is not None:
@@ -132,8 +137,10 @@ class TensorParallelExecutor:
             if progress is not None:
                 progress.step("weights")
             with self._guard():
-                self.groups = RankGroups(store, 0, degree, spec.device_of(0), timeout_s)
+                device0 = spec.device_of(0)
+                self.groups = RankGroups(store, 0, degree, device0, startup_timeout_s)
                 self.shard = RankShard(spec, 0, self.groups)
+                self.groups.set_timeout(timeout_s)
         except BaseException:
             self._stop_workers(grace_s=0.0)
             raise
@@ -283,7 +290,7 @@ class TensorParallelExecutor:
             self._workers.append(_Worker(rank, process, receive))
 
     def _await_started(self) -> None:
-        deadline = time.monotonic() + self.timeout_s
+        deadline = time.monotonic() + self.startup_timeout_s
         for w in self._workers:
             while not w.pipe.poll(0.1):
                 if not w.process.is_alive() or time.monotonic() > deadline:
@@ -311,10 +318,8 @@ class TensorParallelExecutor:
             return
         with self._lock:
             if self._error is None and all(w.process.is_alive() for w in self._workers):
-                try:
+                with contextlib.suppress(RuntimeError):  # stopping anyway
                     self.groups.broadcast_object(("shutdown", None))
-                except RuntimeError:
-                    pass  # stopping anyway
             self._closed = True
             if self._error is None:
                 self._stop_workers(grace_s=STOP_GRACE_S)

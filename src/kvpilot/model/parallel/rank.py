@@ -45,7 +45,7 @@ class ShardSpec:
     num_blocks: int | None
     kv_memory_bytes: int | None
     gpu_memory_utilization: float
-    timeout_s: float
+    startup_timeout_s: float  # joining the groups and loading every shard
     threads: int  # torch threads per worker on CPU
 
     def device_of(self, rank: int) -> torch.device:

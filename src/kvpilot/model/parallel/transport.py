@@ -17,6 +17,7 @@ Moves run synchronously on the caller (the step loop): the returned `Transfer` i
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future
@@ -70,9 +71,7 @@ class TensorParallelTransport:
         if self._closed:
             return
         self._closed = True
-        try:
+        with contextlib.suppress(TensorParallelError):  # workers gone: rank 0's part below
             self.executor.command("close_tiers", None)
-        except TensorParallelError:
-            pass  # the workers are gone already; rank 0's copier closes below
         if self.executor.shard.transport is not None:
             self.executor.shard.transport.close()

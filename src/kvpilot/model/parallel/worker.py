@@ -12,6 +12,7 @@ import traceback
 from multiprocessing.connection import Connection
 
 GATHERED_OPS = frozenset({"read_device", "swap_out", "swap_in", "write_device"})
+IDLE_WAIT_S = 30 * 24 * 3600.0  # a worker waits for the next command as long as rank 0 lives
 
 
 def worker_main(spec: object, rank: int, port: int, conn: Connection) -> None:
@@ -27,8 +28,8 @@ def worker_main(spec: object, rank: int, port: int, conn: Connection) -> None:
         if device.type == "cuda":
             torch.cuda.set_device(device)
         conn.send(("started", None))
-        store = open_store(port, rank, spec.degree, spec.timeout_s)
-        groups = RankGroups(store, rank, spec.degree, device, spec.timeout_s)
+        store = open_store(port, rank, spec.degree, spec.startup_timeout_s)
+        groups = RankGroups(store, rank, spec.degree, device, IDLE_WAIT_S)
         shard = RankShard(spec, rank, groups)
         while True:
             op, payload = groups.broadcast_object()
@@ -41,7 +42,7 @@ def worker_main(spec: object, rank: int, port: int, conn: Connection) -> None:
             shard.transport.close()
         groups.close()
         conn.send(("stopped", None))
-    except BaseException:  # noqa: BLE001 - reported to rank 0, then the process exits
+    except BaseException:  # reported to rank 0, then the process exits
         try:
             conn.send(("error", traceback.format_exc()))
         finally:
