@@ -25,6 +25,7 @@ import torch
 
 from kvpilot.engine import Engine, SamplingParams, Session, VirtualClock
 from kvpilot.engine.executor import SeqWork, StepOutput
+from kvpilot.model.parallel.executor import TensorParallelExecutor
 from kvpilot.model.runner import ModelRunner
 
 LOGITS_ATOL = 1e-4
@@ -75,11 +76,15 @@ class LogitRecorder:
 
     def __init__(self, engine: Engine) -> None:
         runner = engine.executor
-        assert isinstance(runner, ModelRunner), "logits need a ModelRunner"
+        if isinstance(runner, TensorParallelExecutor):
+            model = runner.shard.model  # rank 0 holds the gathered logits
+        else:
+            assert isinstance(runner, ModelRunner), "logits need a ModelRunner"
+            model = runner.model
         self.engine = engine
         self.rows: defaultdict[int, list[torch.Tensor]] = defaultdict(list)
         self._sampling: list[int] = []
-        execute, logits = runner.execute, runner.model.logits
+        execute, logits = runner.execute, model.logits
 
         def recording_execute(works: Sequence[SeqWork]) -> StepOutput:
             self._sampling = [w.seq_id for w in works if w.sampling is not None]
@@ -97,7 +102,7 @@ class LogitRecorder:
             return out
 
         runner.execute = recording_execute  # type: ignore[method-assign]
-        runner.model.logits = recording_logits  # type: ignore[method-assign]
+        model.logits = recording_logits  # type: ignore[method-assign]
 
     def finish(self, request_id: str) -> Turn:
         """Run the request to the end; its tokens and logits."""

@@ -121,6 +121,10 @@ class RunnerConfig:
     from ``gpu_memory_utilization`` when neither ``kv_blocks`` nor ``kv_memory_bytes`` is
     given; ``cuda_graphs`` captures decode-only steps on CUDA.
 
+    ``tensor_parallel_size`` shards the model over that many ranks (`kvpilot.model.parallel`:
+    worker processes, each with its KV heads' share of every block; ``kv_memory_bytes`` is
+    then per rank).
+
     ``poison_freed_blocks`` overwrites every KV block returned to a free list (device and host)
     with NaN, so a missed copy, a wrong slot or a stale block shows up as NaN or wrong
     output instead of passing silently; the test suite runs with it on.
@@ -134,6 +138,7 @@ class RunnerConfig:
     attention: str | None = None
     gpu_memory_utilization: float = 0.9
     cuda_graphs: bool = True
+    tensor_parallel_size: int = 1
     poison_freed_blocks: bool = False
     tiers: TierConfig = field(default_factory=TierConfig)
 
@@ -152,6 +157,10 @@ class RunnerConfig:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.tensor_parallel_size < 1:
+            raise ConfigError(
+                f"tensor_parallel_size (--tp) must be >= 1, got {self.tensor_parallel_size}"
             )
 
 

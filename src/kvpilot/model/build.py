@@ -1,4 +1,5 @@
-"""Assemble a real engine: checkpoint -> `ModelRunner`, tier transport, disk tier -> `Engine`.
+"""Assemble a real engine: checkpoint -> executor (`ModelRunner`, or `TensorParallelExecutor`
+over `tensor_parallel_size` ranks), tier transport, disk tier -> `Engine`.
 
 The composition root of the PyTorch engine, as `kvpilot.sim.build` is the simulator's:
 `Engine.from_pretrained` is a thin wrapper over `build_engine`.
@@ -10,9 +11,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvpilot.engine.clock import Clock
-from kvpilot.engine.config import DEFAULT_BLOCK_SIZE, EngineConfig
+from kvpilot.engine.config import DEFAULT_BLOCK_SIZE, EngineConfig, RunnerConfig
 from kvpilot.engine.engine import Engine
 from kvpilot.model.runner import ModelRunner
+from kvpilot.model.transfer import TorchTierTransport
 
 if TYPE_CHECKING:
     from kvpilot.model.loader import LoadProgress
@@ -35,35 +37,27 @@ def build_engine(
     """
     config = config or EngineConfig()
     rc = config.runner
-    given = {"dtype": rc.dtype, "device": rc.device, "attention": rc.attention}
-    runner = ModelRunner(
-        model,
-        num_blocks=rc.kv_blocks,
-        kv_memory_bytes=rc.kv_memory_bytes,
-        block_size=rc.block_size or DEFAULT_BLOCK_SIZE,
-        gpu_memory_utilization=rc.gpu_memory_utilization,
-        cuda_graphs=rc.cuda_graphs,
-        cache_dir=cache_dir,
-        progress=load_progress,
-        **{k: v for k, v in given.items() if v is not None},
-    )
+    if rc.tensor_parallel_size > 1:
+        from kvpilot.model.parallel.build import build_tensor_parallel
+
+        runner, transport = build_tensor_parallel(model, rc, cache_dir, load_progress)
+    else:
+        runner, transport = _single_device(model, rc, cache_dir, load_progress)
     tiers = rc.tiers
-    transport = disk = sessions = None
-    if tiers.any:
-        from kvpilot.model.transfer import TorchTierTransport
-
-        host_blocks = tiers.host_kv_blocks or (
-            (tiers.host_memory_bytes or 0) // runner.kv_bytes_per_block
-        )
-        transport = TorchTierTransport(runner.kv_cache, host_blocks)
-    if tiers.disk_dir is not None and transport is not None:
-        from kvpilot.store import DiskBlockStore, SessionStore
-
-        folder = Path(tiers.disk_dir)
-        model_id = runner.fingerprint
-        disk = DiskBlockStore(folder, tiers.disk_slots, transport.block_bytes, model=model_id)
-        sessions = SessionStore(folder, model=model_id)
+    disk = sessions = None
     try:
+        if tiers.disk_dir is not None and transport is not None:
+            from kvpilot.store import DiskBlockStore, SessionStore
+
+            folder = Path(tiers.disk_dir)
+            model_id = runner.fingerprint
+            sharded = getattr(transport, "open_disk_store", None)  # a store per TP rank
+            disk = (
+                sharded(folder, tiers.disk_slots, model_id)
+                if sharded is not None
+                else DiskBlockStore(folder, tiers.disk_slots, transport.block_bytes, model=model_id)
+            )
+            sessions = SessionStore(folder, model=model_id)
         return Engine(
             runner,
             config,
@@ -77,7 +71,35 @@ def build_engine(
             session_store=sessions,
         )
     except BaseException:
-        for opened in (disk, sessions, transport):
-            if opened is not None:
-                opened.close()
+        for opened in (disk, sessions, transport, runner):
+            close = getattr(opened, "close", None)
+            if close is not None:
+                close()
         raise
+
+
+def _single_device(
+    model: str | Path,
+    rc: RunnerConfig,
+    cache_dir: Path | None,
+    load_progress: LoadProgress | None,
+) -> tuple[ModelRunner, TorchTierTransport | None]:
+    given = {"dtype": rc.dtype, "device": rc.device, "attention": rc.attention}
+    runner = ModelRunner(
+        model,
+        num_blocks=rc.kv_blocks,
+        kv_memory_bytes=rc.kv_memory_bytes,
+        block_size=rc.block_size or DEFAULT_BLOCK_SIZE,
+        gpu_memory_utilization=rc.gpu_memory_utilization,
+        cuda_graphs=rc.cuda_graphs,
+        cache_dir=cache_dir,
+        progress=load_progress,
+        **{k: v for k, v in given.items() if v is not None},
+    )
+    tiers = rc.tiers
+    if not tiers.any:
+        return runner, None
+    host_blocks = tiers.host_kv_blocks or (
+        (tiers.host_memory_bytes or 0) // runner.kv_bytes_per_block
+    )
+    return runner, TorchTierTransport(runner.kv_cache, host_blocks)

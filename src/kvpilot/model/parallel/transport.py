@@ -21,10 +21,13 @@ import contextlib
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future
+from pathlib import Path
 from typing import Any
 
 from kvpilot.errors import TensorParallelError
+from kvpilot.memory.hashing import ModelFingerprint
 from kvpilot.model.parallel.executor import TensorParallelExecutor
+from kvpilot.store.sharded import ShardedDiskStore
 
 
 def _done(value: Any) -> Future[Any]:
@@ -62,6 +65,12 @@ class TensorParallelTransport:
         s = self.shard_bytes
         shards = [[bytes(d[r * s : (r + 1) * s]) for d in data] for r in range(self.degree)]
         return self._timed("write_device", ([int(b) for b in blocks], shards))
+
+    def open_disk_store(
+        self, directory: Path, num_slots: int, model: ModelFingerprint
+    ) -> ShardedDiskStore:
+        """The disk tier for this degree: one shard store per rank (`ShardedDiskStore`)."""
+        return ShardedDiskStore(directory, num_slots, self.shard_bytes, self.degree, model=model)
 
     def poison_host(self, blocks: Sequence[int]) -> None:
         if blocks:
