@@ -71,13 +71,15 @@ class Server:
 
 
 @contextmanager
-def serve(tmp: Path, policy: str | None, kv_blocks: int = 128) -> Iterator[Server]:
-    """A server as `kvpilot serve` builds it; with a policy, a host tier and a disk dir."""
+def serve(tmp: Path, policy: str | None, kv_blocks: int = 128, tp: int = 1) -> Iterator[Server]:
+    """A server as `kvpilot serve` builds it; with a policy, a host tier and a disk dir; ``tp``
+    ranks (`--tp`)."""
     tiers: dict[str, Any] = {}
     if policy is not None:
         tiers = {"host_memory_bytes": 16 << 20, "disk_dir": str(tmp / f"disk-{policy}")}
         tiers["pause_policy"] = policy
-    app = build_app(ServeOptions(engine=EngineConfig.from_kwargs(kv_blocks=kv_blocks, **tiers)))
+    engine = EngineConfig.from_kwargs(kv_blocks=kv_blocks, tensor_parallel_size=tp, **tiers)
+    app = build_app(ServeOptions(engine=engine))
     with BackgroundServer(app) as background:
         server = Server(background)
         yield server
@@ -107,11 +109,14 @@ def kvpilot(response: Any) -> dict[str, Any]:
     return response.model_extra["kvpilot"]
 
 
-@pytest.mark.parametrize(("policy", "tier"), [("offload-host", "host"), ("offload-disk", "disk")])
+@pytest.mark.parametrize(
+    ("policy", "tier", "tp"),
+    [("offload-host", "host", 1), ("offload-disk", "disk", 1), ("offload-disk", "disk", 2)],
+)
 def test_a_paused_turn_comes_back_from_the_tier_the_policy_moved_it_to(
-    policy: str, tier: str, tmp_path: Path, plain_outputs: list[list[int]]
+    policy: str, tier: str, tp: int, tmp_path: Path, plain_outputs: list[list[int]]
 ) -> None:
-    with serve(tmp_path, policy) as server:
+    with serve(tmp_path, policy, tp=tp) as server:
         session = server.new_session()
         first = server.turn(session, FIRST, expected_tool_wait_s=30, tool="pytest")
         pause = kvpilot(first)["pause"]

@@ -165,6 +165,12 @@ def serve(
             help="Overwrite every freed KV block with NaN, so a stale read shows (a check)."
         ),
     ] = False,
+    tp: Annotated[
+        int,
+        typer.Option(
+            "--tp", help="Tensor-parallel degree: shard the model over N ranks (processes)."
+        ),
+    ] = 1,
     replicas: Annotated[
         int, typer.Option(help="Engine replicas on Ray Serve behind kvpilot's prefix router.")
     ] = 1,
@@ -220,6 +226,7 @@ def serve(
             attention=attention,
             gpu_memory_utilization=gpu_memory_utilization,
             poison_freed_blocks=True if poison_freed_blocks else None,
+            tensor_parallel_size=tp if tp != 1 else None,
         )
         options = ServeOptions(
             model=model,

@@ -146,9 +146,13 @@ class StartupBanner:
         blocks, block_size = device["blocks"], device["block_size"]
         block_bytes = int(getattr(engine.executor, "kv_bytes_per_block", 0))
         size = f", {format_bytes(blocks * block_bytes)}" if block_bytes else ""
+        degree = int(getattr(engine.executor, "degree", 1))
+        ranks = (
+            f" over {degree} tensor-parallel ranks (each its KV heads' share)" if degree > 1 else ""
+        )
         self.say(
             f"KV pool: {blocks:,} blocks of {block_size} tokens ({blocks * block_size:,} "
-            f"tokens){size} on {device_name}"
+            f"tokens){size} on {device_name}{ranks}"
         )
         host = tiers["host"]
         if host["enabled"]:
