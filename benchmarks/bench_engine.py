@@ -10,6 +10,10 @@
    vs monolithic prefill (the spec's Figure 9 claim, as a ratio).
 3. Multi-turn replay of the miniswe agent traces: prefix hit rate against the trace's ideal
    (infinite-cache) hit rate, and prefill tokens computed with prefix reuse on vs off.
+4. Tensor parallelism: prefill and decode tokens/s of the ~100M (125M-shape) Llama at TP=2
+   (gloo on CPU, NCCL on CUDA) against TP=1 on the same cores (on CPU each of the two ranks
+   gets half the torch threads). On a few CPU cores TP is not expected to be faster: every
+   layer adds two all-reduces through the loopback; the point is the path, measured.
 
 Usage: python benchmarks/bench_engine.py [--quick]. The last line printed is one JSON object.
 """
@@ -59,9 +63,12 @@ def mixed_prompts(batch: int, seed: int, lo: int = 32, hi: int = 256) -> list[li
     return [[rng.randrange(3, 250) for _ in range(rng.randint(lo, hi))] for _ in range(batch)]
 
 
-def ours_throughput(path: Path, prompts: list[list[int]], new_tokens: int) -> tuple[float, float]:
+def ours_throughput(
+    path: Path, prompts: list[list[int]], new_tokens: int, **options: object
+) -> tuple[float, float]:
+    given: dict[str, object] = {"kv_blocks": 4096} | options
     engine = Engine.from_pretrained(
-        str(path), kv_blocks=4096, max_num_batched_tokens=8192, max_prefill_chunk=8192
+        str(path), max_num_batched_tokens=8192, max_prefill_chunk=8192, **given
     )
     n_prompt = sum(len(p) for p in prompts)
 
@@ -77,8 +84,39 @@ def ours_throughput(path: Path, prompts: list[list[int]], new_tokens: int) -> tu
     run(2)  # warm-up
     prefill_s = min(run(1) for _ in range(REPEATS))
     total_s = min(run(new_tokens) for _ in range(REPEATS))
+    engine.close()
     decode_tokens = len(prompts) * (new_tokens - 1)
     return n_prompt / prefill_s, decode_tokens / max(total_s - prefill_s, 1e-9)
+
+
+def tp_section(quick: bool) -> dict[str, float]:
+    """TP=2 against TP=1 on the ~100M Llama, same prompts, same total torch threads."""
+    import os
+
+    path = llama_100m()
+    new_tokens = 16 if quick else 32
+    threads = torch.get_num_threads()
+    print(f"\n== Tensor parallelism (llama-100m; tokens/s; {os.cpu_count()} CPU cores) ==")
+    print(f"{'batch':>6}{'prefill TP1':>13}{'prefill TP2':>13}{'decode TP1':>12}{'decode TP2':>12}")
+    figures: dict[str, float] = {}
+    for batch in [1, 8] if quick else [1, 8, 32]:
+        prompts = mixed_prompts(batch, seed=batch)
+        p1, d1 = ours_throughput(path, prompts, new_tokens, kv_blocks=1024)
+        torch.set_num_threads(max(1, threads // 2))  # rank 0's half; the worker takes the other
+        try:
+            p2, d2 = ours_throughput(
+                path, prompts, new_tokens, kv_blocks=1024, tensor_parallel_size=2
+            )
+        finally:
+            torch.set_num_threads(threads)
+        print(f"{batch:>6}{p1:>13.0f}{p2:>13.0f}{d1:>12.0f}{d2:>12.0f}")
+        figures |= {
+            f"tp1_prefill_tok_s_b{batch}": round(p1, 1),
+            f"tp2_prefill_tok_s_b{batch}": round(p2, 1),
+            f"tp1_decode_tok_s_b{batch}": round(d1, 1),
+            f"tp2_decode_tok_s_b{batch}": round(d2, 1),
+        }
+    return figures
 
 
 def hf_throughput(path: Path, prompts: list[list[int]], new_tokens: int) -> tuple[float, float]:
@@ -276,7 +314,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller run for a smoke test")
     parser.add_argument(
-        "--skip", nargs="*", default=[], choices=["throughput", "interference", "replay"]
+        "--skip", nargs="*", default=[], choices=["throughput", "interference", "replay", "tp"]
     )
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -287,6 +325,8 @@ def main() -> None:
         figures |= interference_section(args.quick)
     if "replay" not in args.skip:
         figures |= replay_section(args.quick)
+    if "tp" not in args.skip:
+        figures |= tp_section(args.quick)
     sys.stdout.flush()
     print(json.dumps(figures))
 

@@ -4,7 +4,10 @@
 #      CUDA graphs against eager decoding, the pinned host pool, CPU/CUDA agreement);
 #   2. one tier round trip through pinned memory, timed (GB/s each way);
 #   3. a short decode benchmark: the `triton` backend with CUDA graphs against the `torch`
-#      reference backend, eager, on a ~100M Llama (bf16), batch 1/8/32.
+#      reference backend, eager, on a ~100M Llama (bf16), batch 1/8/32;
+#   4. tensor parallelism with NCCL when two or more devices are visible: TP=2 logits against
+#      TP=1 (fp32) and TP=2 vs TP=1 decode tokens/s; with one device it says TP was not
+#      exercised (sections 1-3 ran TP=1).
 # Usage: bash scripts/gpu_check.sh   (from the repository root; uses .venv if present)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -80,4 +83,55 @@ for attention, graphs in (("torch", False), ("triton", True)):
         print(f"{attention:<7} graphs={graphs!s:<5} batch {batch:>2}: decode {rate:9.1f} tok/s, "
               f"prefill {batch * 512 / prefill:9.0f} tok/s", flush=True)
 print(json.dumps(figures))
+EOF
+
+echo "== 4. Tensor parallelism (NCCL) =="
+timeout 240 "$PY" - <<'EOF'
+import json, random, tempfile, time, torch
+from pathlib import Path
+from kvpilot.engine import Engine, SamplingParams
+from kvpilot.engine.executor import SeqWork
+from kvpilot.model.checkpoints import make_checkpoint
+from kvpilot.model.parallel.executor import TensorParallelExecutor
+from kvpilot.model.runner import ModelRunner
+
+if __name__ == "__main__":  # the TP workers are spawned: they re-import this main module
+    n = torch.cuda.device_count()
+    if n < 2:
+        print(f"TP not exercised: {n} CUDA device visible, TP=2 needs 2 (TP=1 ran above)")
+        raise SystemExit(0)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = make_checkpoint("llama", Path(tmp) / "llama", num_key_value_heads=1)
+        works = [SeqWork(0, list(range(5, 45)), 0, [0, 1, 2]), SeqWork(1, list(range(9, 18)), 0, [5])]
+        ref = ModelRunner(path, device="cuda", dtype="float32", num_blocks=16, cuda_graphs=False)
+        want = ref.compute_logits(works)
+        with TensorParallelExecutor(path, 2, device="cuda", dtype="float32", num_blocks=16) as tp:
+            got = tp.compute_logits(works)
+        diff = max(float((got[k] - want[k]).abs().max()) for k in want)
+        print(f"TP=2 (NCCL) vs TP=1 logits, fp32: max abs diff {diff:.2e}")
+        assert diff <= 1e-3, "TP=2 logits differ from TP=1"
+    path = Path.home() / ".cache" / "kvpilot" / "bench" / "llama-100m"  # written by section 3
+    figures = {}
+    for degree in (1, 2):
+        engine = Engine.from_pretrained(str(path), device="cuda", attention="triton",
+                                        cuda_graphs=False, kv_memory_bytes=4 << 30,
+                                        tensor_parallel_size=degree,
+                                        max_num_batched_tokens=16384, max_prefill_chunk=16384)
+        for batch in (8, 32):
+            prompts = [[random.Random(i).randrange(3, 30000) for _ in range(512)] for i in range(batch)]
+            def run(k):
+                torch.cuda.synchronize(); t0 = time.perf_counter()
+                outs = engine.generate(prompts, SamplingParams(max_tokens=k, ignore_eos=True))
+                torch.cuda.synchronize()
+                assert all(o.generated_tokens == k for o in outs)
+                return time.perf_counter() - t0
+            run(4); engine.kv.radix.evict(engine.kv.device.num_blocks)
+            prefill = run(1); engine.kv.radix.evict(engine.kv.device.num_blocks)
+            total = run(65); engine.kv.radix.evict(engine.kv.device.num_blocks)
+            rate = batch * 64 / (total - prefill)
+            figures[f"tp{degree}_decode_tok_s_b{batch}"] = round(rate, 1)
+            print(f"TP={degree} batch {batch:>2}: decode {rate:9.1f} tok/s, "
+                  f"prefill {batch * 512 / prefill:9.0f} tok/s", flush=True)
+        engine.close()
+    print(json.dumps(figures))
 EOF

@@ -118,7 +118,9 @@ class RankGroups:
     def set_timeout(self, timeout_s: float) -> None:
         """The timeout of every later collective on this rank."""
         for group in {id(g): g for g in (self.device_group, self.control)}.values():
-            group.set_timeout(timedelta(seconds=timeout_s))
+            set_timeout = getattr(group, "set_timeout", None)  # NCCL keeps its own watchdog
+            if set_timeout is not None:
+                set_timeout(timedelta(seconds=timeout_s))
 
     def close(self) -> None:
         for group in {id(g): g for g in (self.device_group, self.control)}.values():
