@@ -18,6 +18,7 @@ refuses every call with the same error.
 from __future__ import annotations
 
 import contextlib
+import logging
 import multiprocessing as mp
 import os
 import threading
@@ -44,6 +45,8 @@ from kvpilot.model.parallel.worker import GATHERED_OPS, worker_main
 from kvpilot.model.runner import eos_token_ids, parse_device, parse_dtype, sample_step
 from kvpilot.model.sampler import Sampler
 from kvpilot.model.tokenizer import load_tokenizer
+
+log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 120.0  # one collective of a step or a tier move, on rank 0
 DEFAULT_STARTUP_TIMEOUT_S = 1800.0  # workers start, join and load their shards
@@ -256,6 +259,9 @@ class TensorParallelExecutor:
         dead = [w for w in self._workers if not w.process.is_alive()]
         for w in self._workers:
             w.drain()
+        for w in self._workers:
+            if w.message:
+                log.error("tensor-parallel worker rank %d failed:\n%s", w.rank, w.message)
         if dead:
             w = dead[0]
             detail = (w.message or "").strip().splitlines()
