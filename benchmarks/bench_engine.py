@@ -12,8 +12,10 @@
    (infinite-cache) hit rate, and prefill tokens computed with prefix reuse on vs off.
 4. Tensor parallelism: prefill and decode tokens/s of the ~100M (125M-shape) Llama at TP=2
    (gloo on CPU, NCCL on CUDA) against TP=1 on the same cores (on CPU each of the two ranks
-   gets half the torch threads). On a few CPU cores TP is not expected to be faster: every
-   layer adds two all-reduces through the loopback; the point is the path, measured.
+   gets half the torch threads), and TP=1 on half the threads (one rank's share: on a busy
+   machine OpenMP's threads wait on each other, which alone can make TP=1 look slow). On a
+   few CPU cores TP is not expected to be faster: every layer adds two all-reduces through
+   the loopback; the point is the path, measured.
 
 Usage: python benchmarks/bench_engine.py [--quick]. The last line printed is one JSON object.
 """
@@ -97,23 +99,31 @@ def tp_section(quick: bool) -> dict[str, float]:
     new_tokens = 16 if quick else 32
     threads = torch.get_num_threads()
     print(f"\n== Tensor parallelism (llama-100m; tokens/s; {os.cpu_count()} CPU cores) ==")
-    print(f"{'batch':>6}{'prefill TP1':>13}{'prefill TP2':>13}{'decode TP1':>12}{'decode TP2':>12}")
+    half = max(1, threads // 2)
+    print(f"TP1: {threads} torch threads; TP1/2: {half}; TP2: {half} per rank")
+    print(
+        f"{'batch':>6}{'prefill TP1':>13}{'TP1/2':>8}{'TP2':>8}"
+        f"{'decode TP1':>12}{'TP1/2':>8}{'TP2':>8}"
+    )
     figures: dict[str, float] = {}
     for batch in [1, 8] if quick else [1, 8, 32]:
         prompts = mixed_prompts(batch, seed=batch)
         p1, d1 = ours_throughput(path, prompts, new_tokens, kv_blocks=1024)
-        torch.set_num_threads(max(1, threads // 2))  # rank 0's half; the worker takes the other
+        torch.set_num_threads(half)  # rank 0's share; the worker sets its own
         try:
+            ph, dh = ours_throughput(path, prompts, new_tokens, kv_blocks=1024)
             p2, d2 = ours_throughput(
                 path, prompts, new_tokens, kv_blocks=1024, tensor_parallel_size=2
             )
         finally:
             torch.set_num_threads(threads)
-        print(f"{batch:>6}{p1:>13.0f}{p2:>13.0f}{d1:>12.0f}{d2:>12.0f}")
+        print(f"{batch:>6}{p1:>13.0f}{ph:>8.0f}{p2:>8.0f}{d1:>12.0f}{dh:>8.0f}{d2:>8.0f}")
         figures |= {
             f"tp1_prefill_tok_s_b{batch}": round(p1, 1),
+            f"tp1_half_threads_prefill_tok_s_b{batch}": round(ph, 1),
             f"tp2_prefill_tok_s_b{batch}": round(p2, 1),
             f"tp1_decode_tok_s_b{batch}": round(d1, 1),
+            f"tp1_half_threads_decode_tok_s_b{batch}": round(dh, 1),
             f"tp2_decode_tok_s_b{batch}": round(d2, 1),
         }
     return figures

@@ -23,7 +23,7 @@ import multiprocessing as mp
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
@@ -220,28 +220,17 @@ class TensorParallelExecutor:
                 return list(self.groups.gather_objects(local))
             return [local]
 
-    class _Guarded:
-        def __init__(self, owner: TensorParallelExecutor) -> None:
-            self.owner = owner
-
-        def __enter__(self) -> None:
-            self.owner._lock.acquire()
+    @contextlib.contextmanager
+    def _guard(self) -> Iterator[None]:
+        """One caller at a time; a failed collective becomes `TensorParallelError`."""
+        with self._lock:
+            self._check_usable()
             try:
-                self.owner._check_usable()
-            except BaseException:
-                self.owner._lock.release()
+                yield
+            except TensorParallelError:
                 raise
-
-        def __exit__(self, kind: object, exc: BaseException | None, tb: object) -> bool:
-            try:
-                if isinstance(exc, RuntimeError) and not isinstance(exc, TensorParallelError):
-                    raise self.owner._fail(str(exc)) from exc
-            finally:
-                self.owner._lock.release()
-            return False
-
-    def _guard(self) -> TensorParallelExecutor._Guarded:
-        return TensorParallelExecutor._Guarded(self)
+            except RuntimeError as exc:  # gloo/NCCL: a peer broke off or timed out
+                raise self._fail(str(exc)) from exc
 
     def _check_usable(self) -> None:
         if self._error is not None:
