@@ -31,8 +31,9 @@ import numpy as np
 
 from kvpilot.errors import ConfigError, InvalidRequest
 from kvpilot.memory.hashing import HASH_BYTES, ModelFingerprint
+from kvpilot.policy.meters import RateMeter
 from kvpilot.store.disk import BlockData, DiskBlockStore
-from kvpilot.store.stats import BandwidthEma, DiskStoreStats
+from kvpilot.store.stats import STORE_BW_ALPHA, DiskStoreStats
 
 
 def shard_fingerprint(model: ModelFingerprint, rank: int, degree: int) -> ModelFingerprint:
@@ -83,7 +84,7 @@ class ShardedDiskStore:
             raise
         self._readers = ThreadPoolExecutor(degree, thread_name_prefix="kvpilot-shard-read")
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="kvpilot-sharded-get")
-        self._read_bw = BandwidthEma()
+        self._read_bw = RateMeter(alpha=STORE_BW_ALPHA)
 
     # -- writes ----------------------------------------------------------------------------
 
@@ -169,7 +170,7 @@ class ShardedDiskStore:
         return any(deleted)
 
     def pin(self, key: bytes) -> bool:
-        pinned = []
+        pinned: list[DiskBlockStore] = []
         for store in self.shards:
             if not store.pin(key):
                 for other in pinned:
@@ -206,7 +207,7 @@ class ShardedDiskStore:
             bytes_written=sum(s.bytes_written for s in each),
             bytes_read=sum(s.bytes_read for s in each),
             hits=min(s.hits for s in each),
-            read_bw_bytes_s=self._read_bw.bytes_per_s,
+            read_bw_bytes_s=self._read_bw.get(0.0),
             write_bw_bytes_s=sum(s.write_bw_bytes_s for s in each),
             **worst,
         )
