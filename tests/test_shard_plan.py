@@ -94,7 +94,7 @@ def test_slices_tile_and_query_heads_read_their_own_kv_heads(
         start, stop = ranges([plan], "model.layers.0.self_attn.k_proj.weight")[0]
         assert (start, stop) == (kv.start * d, kv.stop * d)
         for q in range(plan.rank * plan.heads, (plan.rank + 1) * plan.heads):
-            assert q // cfg.num_query_groups in kv  # GQA: query head q reads KV head q // g
+            assert q // (cfg.num_heads // kv_heads) in kv  # GQA: query head q reads KV head q // g
         local = plan.local_config()
         assert (local.num_heads, local.num_kv_heads) == (plan.heads, plan.kv_heads)
     assert held == set(range(kv_heads))

@@ -49,8 +49,9 @@ def test_a_block_missing_or_corrupt_on_one_rank_is_a_miss(tmp_path: Path) -> Non
         store.shards[1].delete(key(0))
         data = shard_directory(tmp_path, 0, 2) / "blocks.dat"
         raw = bytearray(data.read_bytes())
-        slot = store.shards[0]._entries[key(2)].slot  # flip a byte of rank 0's shard of block 2
-        raw[slot * SHARD + 5] ^= 0x01
+        at = raw.find(block(2)[:SHARD])  # flip a byte of rank 0's shard of block 2
+        assert at >= 0
+        raw[at + 5] ^= 0x01
         data.write_bytes(bytes(raw))
         assert store.get_many([key(0), key(1), key(2)]) == [None, block(1), None]
         assert not store.contains(key(0))
