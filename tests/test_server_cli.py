@@ -122,6 +122,9 @@ def test_bad_serve_options_exit_with_a_message(monkeypatch: pytest.MonkeyPatch) 
     result = CliRunner().invoke(cli(), ["--kv-memory", "1GiB", "--kv-blocks", "4"])
     assert result.exit_code != 0
     assert "not both" in result.output
+    result = CliRunner().invoke(cli(), ["--tp", "0"])
+    assert result.exit_code != 0
+    assert "--tp" in result.output and ">= 1" in result.output
 
 
 def option_names(command: object) -> set[str]:
@@ -145,6 +148,7 @@ def test_serve_and_sim_share_flag_names() -> None:
         "--max-model-len",
         "--host-memory",
         "--policy",
+        "--tp",
     }
     assert shared <= option_names(serve) & option_names(sim)
 
@@ -158,11 +162,12 @@ def test_scheduler_and_pool_flags_reach_the_engine_config(monkeypatch: pytest.Mo
 
     monkeypatch.setattr(cli_serve, "build_app", fake_build)
     args = ["--block-size", "32", "--max-batched-tokens", "512", "--prefill-chunk", "128"]
-    args += ["--tau-high", "0.8", "--host-memory", "64MiB", "--kv-blocks", "100"]
+    args += ["--tau-high", "0.8", "--host-memory", "64MiB", "--kv-blocks", "100", "--tp", "2"]
     result = CliRunner().invoke(cli(), args)
     assert result.exit_code == 0, result.output
     config = built[0].engine
     assert config.runner.block_size == 32 and config.runner.kv_blocks == 100
+    assert config.runner.tensor_parallel_size == 2
     assert config.runner.tiers.host_memory_bytes == 64 << 20
     assert config.scheduler.max_num_batched_tokens == 512
     assert config.scheduler.max_prefill_chunk == 128 and config.scheduler.tau_high == 0.8
