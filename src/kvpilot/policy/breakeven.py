@@ -101,6 +101,11 @@ class PauseInputs:
     host_pressure: float = 0.0
     host_free_bytes: float = math.inf
     stall_tolerance_s: float = 0.0
+    # Context baselines read (the rule does not): the tool paused on, its recent waits, and
+    # device bytes in use by every trajectory (a recompute stalls them all, for InferCept).
+    tool: str | None = None
+    tool_waits: tuple[float, ...] = ()
+    device_used_bytes: float = 0.0
 
     def __post_init__(self) -> None:
         for field in (
@@ -111,6 +116,7 @@ class PauseInputs:
             "host_disk_bw_bytes_s",
             "host_free_bytes",
             "stall_tolerance_s",
+            "device_used_bytes",
         ):
             if getattr(self, field) < 0:
                 raise ConfigError(f"pause inputs: {field} must not be negative")

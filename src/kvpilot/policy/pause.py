@@ -7,6 +7,9 @@
 - ``ttl``: keep it resident for a fixed time, then let it go (the Continuum-style baseline).
 - ``lru``: no pause awareness: unlock it and let the prefix cache's LRU eviction decide,
   which is what current engines do.
+- ``oracle``, ``infercept``, ``continuum``: the rule on the true wait, and two published
+  baselines (`kvpilot.policy.baselines`). The first two expect the true wait as the caller's
+  hint (``TRUE_WAIT_POLICIES``): replays that know it give it to them, and to no other.
 
 A policy sees the same measured `PauseInputs` as the rule and returns a `PauseDecision`, so
 every decision, whoever made it, carries its figures and a sentence saying why.
@@ -20,6 +23,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from kvpilot.errors import ConfigError
+from kvpilot.policy.baselines import Continuum, InferCept, Oracle
 from kvpilot.policy.breakeven import PauseAction, PauseDecision, PauseInputs, decide_pause
 from kvpilot.units import format_bytes, format_seconds
 
@@ -99,7 +103,20 @@ class TimeToLive:
         return self.ttl_s
 
 
-POLICY_NAMES = ("breakeven", "retain", "drop", "offload-host", "offload-disk", "ttl", "lru")
+POLICY_NAMES = (
+    "breakeven",
+    "retain",
+    "drop",
+    "offload-host",
+    "offload-disk",
+    "ttl",
+    "lru",
+    "infercept",
+    "continuum",
+    "oracle",
+)
+# Policies that decide on the true wait: a replay that knows it passes it as the hint.
+TRUE_WAIT_POLICIES = frozenset({"oracle", "infercept"})
 # One line each, for people choosing a policy (`kvpilot serve`'s banner, `kvpilot top`).
 POLICY_SUMMARIES = {
     "breakeven": "retain, offload or drop each pause by the break-even rule on measured figures",
@@ -109,14 +126,24 @@ POLICY_SUMMARIES = {
     "offload-disk": "move every paused session's KV to disk",
     "ttl": "keep paused KV on the device for a fixed lease, then let the cache evict it",
     "lru": "no pause awareness: the prefix cache's LRU eviction decides (today's engines)",
+    "infercept": "InferCept: the way out that wastes least memory-time, on the true wait",
+    "continuum": "Continuum: pin for a time-to-live fitted to each tool's observed waits",
+    "oracle": "the break-even rule on the true wait (a bound for any wait predictor)",
 }
 
 
 def make_pause_policy(name: str, *, ttl_s: float = 10.0) -> PausePolicy:
+    """The policy called ``name``; ``ttl_s`` is ttl's lease and continuum's default one."""
     if name == "breakeven":
         return BreakEven()
     if name == "ttl":
         return TimeToLive(ttl_s)
+    if name == "oracle":
+        return Oracle()
+    if name == "infercept":
+        return InferCept()
+    if name == "continuum":
+        return Continuum(default_ttl_s=ttl_s)
     fixed = {
         "retain": PauseAction.RETAIN,
         "drop": PauseAction.DROP,
