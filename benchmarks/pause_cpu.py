@@ -1,0 +1,191 @@
+"""bench_pause.py's CPU run: the real engine on the trace workload, links slowed to a target.
+
+Every policy replays the same sessions on a fresh engine whose device<->host link and disk
+are emulated (`kvpilot.emulate`) so that a reload is as many times faster than a recompute
+as on the target accelerator node: real copies, real waits, real recompute. The device pool
+holds a fraction of the working set and the host tier another, so some pauses must go to
+disk or be dropped. Policies in `TRUE_WAIT_POLICIES` are told each pause's true wait; every
+other one is told only the tool and predicts the wait from what it has seen.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from pause_workload import Turn, common_prefix, pct
+
+from kvpilot.emulate.disk import ThrottledDiskStore
+from kvpilot.emulate.link import LinkSchedule
+from kvpilot.emulate.target import EmulationTarget
+from kvpilot.emulate.transport import ThrottledTransport
+from kvpilot.engine import Engine, SamplingParams
+from kvpilot.policy.meters import RateMeter
+from kvpilot.policy.pause import TRUE_WAIT_POLICIES
+
+PARAMS = SamplingParams(max_tokens=4, ignore_eos=True)
+ENGINE_OPTIONS: dict[str, Any] = {"max_num_batched_tokens": 1024, "max_prefill_chunk": 512}
+
+
+@dataclass(frozen=True, slots=True)
+class Pools:
+    device_blocks: int
+    host_blocks: int
+    disk_blocks: int
+
+
+@dataclass(frozen=True, slots=True)
+class Calibration:
+    """This machine's prefill rate and KV bytes per token, and the links they imply."""
+
+    prefill_tokens_per_s: float
+    bytes_per_token: float
+    link_bytes_per_s: float
+    disk_bytes_per_s: float
+    cpu_s: float
+
+
+def recompute(
+    model: str, sessions: list[list[Turn]], kv_blocks: int
+) -> tuple[dict[tuple[int, int], list[int]], float, float, float]:
+    """Each turn's output from its tokens alone (an engine without tiers or pauses), the
+    prefill rate it ran at (tokens/s), KV bytes per token, and the CPU seconds it took."""
+    engine = Engine.from_pretrained(model, kv_blocks=kv_blocks, **ENGINE_OPTIONS)
+    outputs = {}
+    wall, cpu = time.perf_counter(), time.process_time()
+    for i, turns in enumerate(sessions):
+        for t, turn in enumerate(turns):
+            (out,) = engine.generate([turn.tokens], PARAMS, salt=f"session-{i}")
+            outputs[(i, t)] = list(out.token_ids)
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    rate = engine.stats.prefill_tokens / wall
+    runner: Any = engine.executor
+    per_token = runner.kv_bytes_per_block / runner.block_size
+    engine.close()
+    return outputs, rate, per_token, cpu
+
+
+def calibrate(rate: float, per_token: float, target: EmulationTarget, cpu_s: float) -> Calibration:
+    return Calibration(
+        prefill_tokens_per_s=rate,
+        bytes_per_token=per_token,
+        link_bytes_per_s=target.link_bytes_per_s(per_token, rate),
+        disk_bytes_per_s=target.disk_bytes_per_s(per_token, rate),
+        cpu_s=cpu_s,
+    )
+
+
+def emulated_engine(
+    model: str, policy: str, pools: Pools, disk_dir: str, cal: Calibration, ttl_s: float
+) -> Engine:
+    """An engine with host and disk tiers behind links of the calibrated bandwidths."""
+    engine = Engine.from_pretrained(
+        model,
+        kv_blocks=pools.device_blocks,
+        host_kv_blocks=pools.host_blocks,
+        disk_dir=disk_dir,
+        disk_kv_blocks=pools.disk_blocks,
+        pause_policy=policy,
+        pause_ttl_s=ttl_s,
+        poison_freed_blocks=True,
+        **ENGINE_OPTIONS,
+    )
+    mover = engine.offload.mover
+    assert mover.transport is not None and mover.disk is not None
+    mover.transport = ThrottledTransport(mover.transport, LinkSchedule(cal.link_bytes_per_s))
+    mover.disk = ThrottledDiskStore(mover.disk, LinkSchedule(cal.disk_bytes_per_s))  # type: ignore[assignment]
+    # The start-up probes measured the raw links: measure the emulated ones instead.
+    mover.link = RateMeter()
+    mover._probe_link()
+    mover._probe_disk()
+    return engine
+
+
+def replay(
+    model: str,
+    policy: str,
+    sessions: list[list[Turn]],
+    pools: Pools,
+    cal: Calibration,
+    ttl_s: float,
+    expected: dict[tuple[int, int], list[int]],
+) -> dict[str, Any]:
+    told_truth = policy in TRUE_WAIT_POLICIES
+    with tempfile.TemporaryDirectory(prefix=f"kvpilot-pause-{policy}-") as disk:
+        engine = emulated_engine(model, policy, pools, disk, cal, ttl_s)
+        handles = [engine.open_session() for _ in sessions]
+        nxt = [0] * len(sessions)
+        due = [0.02 * i for i in range(len(sessions))]
+        pending: dict[str, int] = {}
+        turns_done = mismatches = 0
+        total = sum(len(s) for s in sessions)
+        start, cpu0 = time.perf_counter(), time.process_time()
+        while turns_done < total:
+            now = time.perf_counter() - start
+            for i, turns in enumerate(sessions):
+                if nxt[i] >= len(turns) or i in pending.values() or due[i] > now:
+                    continue
+                session, turn = handles[i], turns[nxt[i]]
+                held = session.tokens
+                k = common_prefix(held, turn.tokens)
+                if k == len(turn.tokens):
+                    k -= 1  # nothing new: resend the last token so the turn has work
+                if k < len(held):
+                    session.rewind(k)
+                last = nxt[i] == len(turns) - 1
+                hint = turn.wait_s if told_truth and not last else None
+                rid = session.submit(
+                    turn.tokens[k:],
+                    PARAMS,
+                    expected_tool_wait_s=hint,
+                    tool=None if last else turn.tool,
+                )
+                pending[rid] = i
+            if engine.has_unfinished() or engine.offload.busy():
+                engine.step()
+            else:
+                waits = [d for i, d in enumerate(due) if nxt[i] < len(sessions[i])]
+                timer = engine.offload.next_event_at()
+                nearest = min([*waits, *([timer - start] if timer else [])], default=now)
+                time.sleep(min(max(nearest - now, 0.0), 0.005))
+                engine.step()  # polls copies and fires prefetch timers
+            for rid, i in list(pending.items()):
+                try:
+                    out = engine.get_output(rid)
+                except Exception:  # not known yet
+                    continue
+                if out.finished:
+                    engine.pop_output(rid)
+                    mismatches += list(out.token_ids) != expected[(i, nxt[i])]
+                    del pending[rid]
+                    due[i] = time.perf_counter() - start + sessions[i][nxt[i]].wait_s
+                    nxt[i] += 1
+                    turns_done += 1
+        wall, cpu = time.perf_counter() - start, time.process_time() - cpu0
+        stats = engine.offload.stats
+        mover = engine.offload.mover
+        prefill = engine.offload.prefill.overall.get(cal.prefill_tokens_per_s)
+        link = mover.link_bw()
+        result = {
+            "turns_per_s": round(turns_done / wall, 3),
+            "recomputed_tokens": stats.recomputed_tokens,
+            "p50_resume_ttft_s": round(pct(stats.resume_ttft_s, 0.5), 4),
+            "p99_resume_ttft_s": round(pct(stats.resume_ttft_s, 0.99), 4),
+            "idle_gb_s": round(stats.idle_gb_s, 4),
+            "bytes_moved": dict(stats.bytes_moved),
+            "decisions": dict(stats.decisions),
+            "prefill_tokens": engine.stats.prefill_tokens,
+            "preemptions": engine.scheduler.num_preemptions,
+            "hit_rate": round(engine.stats.hit_rate, 4),
+            "wall_s": round(wall, 2),
+            "cpu_s": round(cpu, 2),
+            "mismatches": mismatches,
+            "achieved_link_ratio": round(link / (cal.bytes_per_token * prefill), 1),
+            "achieved_disk_ratio": round(mover.disk_bw() / (cal.bytes_per_token * prefill), 2),
+        }
+        for s in handles:
+            s.close()
+        engine.close()
+        return result

@@ -1,0 +1,160 @@
+"""bench_pause.py's simulated node: the same sessions and waits on llama-3-70b over 8xH100.
+
+The simulator runs the real engine (scheduler, radix cache, offload manager, pause policies)
+with a roofline cost model on virtual time (`kvpilot.sim`), so the waits are the recorded
+ones, in real seconds, with approvals on the bench's one time factor. Contexts are the
+trace's own (no cut). The device pool is --device-fraction of the working set and the host
+tier --host-fraction, so the working set fits in neither; the simulator has no disk tier, so
+what the host cannot take is dropped or left to the cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+from pause_workload import Turn, common_prefix, load_sessions, pct, working_set_tokens
+
+from kvpilot.engine.config import EngineConfig
+from kvpilot.engine.session import Session
+from kvpilot.policy.pause import TRUE_WAIT_POLICIES
+from kvpilot.sim.build import SimSetup, build_engine
+from kvpilot.sim.simulator import Simulator
+from kvpilot.trace.waits import WaitModel
+
+MODEL, NODE, TP = "llama-3-70b", "8xh100", 8
+VOCAB = 32000
+OUTPUT_TOKENS = 4
+MAX_CONTEXT_TOKENS = 131072
+
+
+class PauseReplayDriver:
+    """Each session's turns in order: send what the session does not hold, pause on the
+    turn's tool (told the true wait when ``told_truth``), come back after the wait."""
+
+    def __init__(self, sessions: list[list[Turn]], told_truth: bool) -> None:
+        self.sessions = sessions
+        self.told_truth = told_truth
+        self.handles: list[Session | None] = [None] * len(sessions)
+        self.turns = 0
+        self.rejected = 0
+        self._sim: Simulator | None = None
+
+    def counters(self) -> dict[str, int]:
+        return {"turns": self.turns, "rejected": self.rejected}
+
+    def start(self, sim: Simulator) -> None:
+        self._sim = sim
+        for i in range(len(self.sessions)):
+            sim.at(0.02 * i, functools.partial(self._send, i, 0))
+
+    def _send(self, i: int, t: int) -> None:
+        sim = self._sim
+        assert sim is not None
+        session = self.handles[i]
+        if session is None:
+            session = self.handles[i] = sim.engine.open_session()
+        turn, last = self.sessions[i][t], t == len(self.sessions[i]) - 1
+        k = common_prefix(session.tokens, turn.tokens)
+        if k == len(turn.tokens):
+            k -= 1
+        if k < len(session.tokens):
+            session.rewind(k)
+        pause = None
+        if not last:
+            pause = (turn.wait_s if self.told_truth else None, turn.tool)
+        rid = sim.submit(
+            turn.tokens[k:],
+            OUTPUT_TOKENS,
+            lambda _out: self._done(i, t),
+            session=session,
+            pause=pause,
+        )
+        if rid is None:
+            self.rejected += 1
+            self._done(i, t)
+
+    def _done(self, i: int, t: int) -> None:
+        sim = self._sim
+        assert sim is not None
+        self.turns += 1
+        turns = self.sessions[i]
+        if t + 1 >= len(turns):
+            session = self.handles[i]
+            if session is not None:
+                session.close()
+            return
+        sim.after(turns[t].wait_s, functools.partial(self._send, i, t + 1))
+
+
+def run_policy(setup: SimSetup, sessions: list[list[Turn]], policy: str) -> dict[str, Any]:
+    engine, _ = build_engine(setup, VOCAB, policy)
+    sim = Simulator(engine, duration_s=setup.duration_s, sample_interval_s=setup.sample_interval_s)
+    driver = PauseReplayDriver(sessions, policy in TRUE_WAIT_POLICIES)
+    sim.run(driver)
+    stats = engine.offload.stats
+    return {
+        "turns_per_s": round(driver.turns / max(sim.now, 1e-9), 4),
+        "recomputed_tokens": stats.recomputed_tokens,
+        "p50_resume_ttft_s": round(pct(stats.resume_ttft_s, 0.5), 4),
+        "p99_resume_ttft_s": round(pct(stats.resume_ttft_s, 0.99), 4),
+        "idle_gb_s": round(stats.idle_gb_s, 3),
+        "bytes_moved": dict(stats.bytes_moved),
+        "decisions": dict(stats.decisions),
+        "turns": driver.turns,
+        "rejected": driver.rejected,
+        "makespan_s": round(sim.now, 2),
+        "wall_s": round(sim.wall_s, 2),
+    }
+
+
+def sim_run(
+    args: argparse.Namespace,
+    policies: list[str],
+    print_header: Callable[[], None],
+    print_row: Callable[[str, dict[str, Any]], None],
+) -> dict[str, Any]:
+    waits = WaitModel(args.time_factor, args.approval_probability, seed=args.seed)
+    n = 12 if args.quick else 20
+    sessions = load_sessions(n, MAX_CONTEXT_TOKENS, waits, VOCAB)
+    work = working_set_tokens(sessions)
+    base = SimSetup(model=MODEL, node=NODE, tp=TP)
+    per_token = base.geometry().bytes_per_token(TP)
+    engine = EngineConfig(max_num_seqs=256, max_num_batched_tokens=2048)
+    setup = dataclasses.replace(
+        base,
+        kv_blocks=int(work * args.device_fraction) // engine.block_size,
+        host_kv_bytes_per_device=work * args.host_fraction * per_token,
+        engine=dataclasses.replace(engine, pause_ttl_s=args.ttl),
+        duration_s=24 * 3600.0,
+    )
+    print(
+        f"\n== simulated node, {MODEL} on {NODE} (TP {TP}): {len(sessions)} sessions, "
+        f"{sum(map(len, sessions))} turns, working set {work:,} tokens; device pool "
+        f"{setup.kv_blocks * engine.block_size:,} tokens, host {int(work * args.host_fraction):,}"
+        ", no disk tier =="
+    )
+    print_header()
+    rows = {}
+    for policy in policies:
+        r = run_policy(setup, sessions, policy)
+        rows[policy] = r
+        print_row(policy, r)
+    keys = (
+        "turns_per_s",
+        "recomputed_tokens",
+        "p50_resume_ttft_s",
+        "p99_resume_ttft_s",
+        "idle_gb_s",
+        "bytes_moved",
+    )
+    return {
+        "policies": {p: {k: r[k] for k in keys} for p, r in rows.items()},
+        "model": MODEL,
+        "node": NODE,
+        "working_set_tokens": work,
+        "by_policy": rows,
+    }
