@@ -80,7 +80,7 @@ def print_row(policy: str, r: dict[str, Any]) -> None:
 
 
 def cpu_run(args: argparse.Namespace, policies: list[str]) -> dict[str, Any]:
-    n, max_tokens, max_turns = (8, 3072, 10) if args.quick else (16, 8000, 1 << 30)
+    n, max_tokens, max_turns = (6, 2048, 8) if args.quick else (12, 4096, 16)
     waits = WaitModel(args.time_factor, args.approval_probability, seed=args.seed)
     sessions = load_sessions(n, max_tokens, waits, TINY_VOCAB, max_turns)
     work = working_set_tokens(sessions)
@@ -134,7 +134,7 @@ def main() -> None:
     parser.add_argument(
         "--time-factor", type=float, default=0.01, help="scale of the approvals' minutes-hours"
     )
-    parser.add_argument("--approval-probability", type=float, default=0.05)
+    parser.add_argument("--approval-probability", type=float, default=0.1)
     parser.add_argument("--device-fraction", type=float, default=0.35)
     parser.add_argument("--host-fraction", type=float, default=0.4)
     parser.add_argument(

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from pause_workload import Turn, common_prefix, pct
+from pause_workload import Turn, agent_rate, common_prefix, pct
 
 from kvpilot.emulate.disk import ThrottledDiskStore
 from kvpilot.emulate.link import LinkSchedule
@@ -120,6 +120,7 @@ def replay(
         due = [0.02 * i for i in range(len(sessions))]
         pending: dict[str, int] = {}
         turns_done = mismatches = 0
+        first, active = [0.02 * i for i in range(len(sessions))], [0.0] * len(sessions)
         total = sum(len(s) for s in sessions)
         start, cpu0 = time.perf_counter(), time.process_time()
         while turns_done < total:
@@ -160,16 +161,20 @@ def replay(
                     engine.pop_output(rid)
                     mismatches += list(out.token_ids) != expected[(i, nxt[i])]
                     del pending[rid]
-                    due[i] = time.perf_counter() - start + sessions[i][nxt[i]].wait_s
+                    now = time.perf_counter() - start
+                    due[i] = now + sessions[i][nxt[i]].wait_s
                     nxt[i] += 1
                     turns_done += 1
+                    if nxt[i] == len(sessions[i]):
+                        active[i] = now - first[i]
         wall, cpu = time.perf_counter() - start, time.process_time() - cpu0
         stats = engine.offload.stats
         mover = engine.offload.mover
         prefill = engine.offload.prefill.overall.get(cal.prefill_tokens_per_s)
         link = mover.link_bw()
         result = {
-            "turns_per_s": round(turns_done / wall, 3),
+            "turns_per_s": round(agent_rate(sessions, active), 3),
+            "makespan_turns_per_s": round(turns_done / wall, 3),
             "recomputed_tokens": stats.recomputed_tokens,
             "p50_resume_ttft_s": round(pct(stats.resume_ttft_s, 0.5), 4),
             "p99_resume_ttft_s": round(pct(stats.resume_ttft_s, 0.99), 4),

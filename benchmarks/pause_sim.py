@@ -16,7 +16,14 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from pause_workload import Turn, common_prefix, load_sessions, pct, working_set_tokens
+from pause_workload import (
+    Turn,
+    agent_rate,
+    common_prefix,
+    load_sessions,
+    pct,
+    working_set_tokens,
+)
 
 from kvpilot.engine.config import EngineConfig
 from kvpilot.engine.session import Session
@@ -41,6 +48,8 @@ class PauseReplayDriver:
         self.handles: list[Session | None] = [None] * len(sessions)
         self.turns = 0
         self.rejected = 0
+        self.started = [0.0] * len(sessions)
+        self.active_s = [0.0] * len(sessions)  # first call to last turn's end, per session
         self._sim: Simulator | None = None
 
     def counters(self) -> dict[str, int]:
@@ -57,6 +66,7 @@ class PauseReplayDriver:
         session = self.handles[i]
         if session is None:
             session = self.handles[i] = sim.engine.open_session()
+            self.started[i] = sim.now
         turn, last = self.sessions[i][t], t == len(self.sessions[i]) - 1
         k = common_prefix(session.tokens, turn.tokens)
         if k == len(turn.tokens):
@@ -83,6 +93,7 @@ class PauseReplayDriver:
         self.turns += 1
         turns = self.sessions[i]
         if t + 1 >= len(turns):
+            self.active_s[i] = sim.now - self.started[i]
             session = self.handles[i]
             if session is not None:
                 session.close()
@@ -97,7 +108,7 @@ def run_policy(setup: SimSetup, sessions: list[list[Turn]], policy: str) -> dict
     sim.run(driver)
     stats = engine.offload.stats
     return {
-        "turns_per_s": round(driver.turns / max(sim.now, 1e-9), 4),
+        "turns_per_s": round(agent_rate(sessions, driver.active_s), 4),
         "recomputed_tokens": stats.recomputed_tokens,
         "p50_resume_ttft_s": round(pct(stats.resume_ttft_s, 0.5), 4),
         "p99_resume_ttft_s": round(pct(stats.resume_ttft_s, 0.99), 4),
@@ -118,7 +129,7 @@ def sim_run(
     print_row: Callable[[str, dict[str, Any]], None],
 ) -> dict[str, Any]:
     waits = WaitModel(args.time_factor, args.approval_probability, seed=args.seed)
-    n = 12 if args.quick else 20
+    n = 20
     sessions = load_sessions(n, MAX_CONTEXT_TOKENS, waits, VOCAB)
     work = working_set_tokens(sessions)
     base = SimSetup(model=MODEL, node=NODE, tp=TP)

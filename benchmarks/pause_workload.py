@@ -88,3 +88,10 @@ def describe_waits(sessions: list[list[Turn]]) -> str:
         f"{pct(waits, 0.5):.3g} s, p90 {pct(waits, 0.9):.3g} s, max {max(waits, default=0):.3g}"
         f" s; {len(approvals)} approvals"
     )
+
+
+def agent_rate(sessions: list[list[Turn]], active_s: list[float]) -> float:
+    """Turns per second of the agents together: each session's turns over its own active
+    time, summed (as if every agent took a new task when its session ended). A makespan would
+    measure only the slowest session's waits, the same under every policy."""
+    return sum(len(s) / t for s, t in zip(sessions, active_s, strict=True) if t > 0)

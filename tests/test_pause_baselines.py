@@ -93,6 +93,12 @@ def test_continuum_lease_by_hand() -> None:
     assert Continuum().lease_s(i) == 1.0
 
 
+def test_continuum_counts_the_memory_held_by_waits_past_the_lease() -> None:
+    # waits 1, 4: t = 1 holds 1 GB for min(W, 1) = 1 on average: 2 - 1 = 1 GB·s;
+    # t = 4 saves both: 4 - (1 + 4) / 2 = 1.5 GB·s, so the lease covers the slower call.
+    assert continuum_ttl(inputs(5.0, tool_waits=(4.0, 1.0)), 0.0) == 4.0
+
+
 def test_continuum_pins_nothing_when_no_lease_pays() -> None:
     # t = 100: 0.5 x 4 - (100 + 100) / 2 < 0; t = 200: 4 - 150 < 0
     i = inputs(5.0, tool="approval", tool_waits=(100.0, 200.0))

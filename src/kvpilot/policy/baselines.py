@@ -23,7 +23,14 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from kvpilot.policy.breakeven import PauseAction, PauseDecision, PauseInputs, decide_pause
+from kvpilot.policy.breakeven import (
+    ENGINE_THRESHOLDS,
+    PauseAction,
+    PauseDecision,
+    PauseInputs,
+    PauseThresholds,
+    decide_pause,
+)
 from kvpilot.units import format_bytes, format_seconds
 
 
@@ -32,9 +39,10 @@ class Oracle:
     """The break-even rule on the true wait (given as the hint by a replay that knows it)."""
 
     name: str = "oracle"
+    thresholds: PauseThresholds = ENGINE_THRESHOLDS
 
     def decide(self, inputs: PauseInputs) -> PauseDecision:
-        decision = decide_pause(inputs)
+        decision = decide_pause(inputs, self.thresholds)
         label = decision.action.label
         reason = f"{label} (oracle, on the true wait){decision.reason[len(label) :]}"
         return dataclasses.replace(decision, reason=reason)

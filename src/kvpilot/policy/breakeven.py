@@ -77,6 +77,13 @@ class PauseThresholds:
 
 
 DEFAULT_THRESHOLDS = PauseThresholds()
+# In the engine, device memory under the admission ceiling is not contended: when admission
+# needs room, idle state in its way is demoted then (`OffloadManager.reclaim`). Memory's
+# shadow price is zero while that constraint is slack, so a pause moves state only once
+# pressure reaches 1 (work waiting for memory, or held usage at tau_high). Measured on
+# bench_pause's simulated node: at 0.5 the rule moved state the device had room for, filled
+# the host, and recomputed 35% more than at 1.0.
+ENGINE_THRESHOLDS = PauseThresholds(device_plentiful_below=1.0)
 
 
 @dataclass(frozen=True, slots=True)

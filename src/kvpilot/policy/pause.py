@@ -24,7 +24,14 @@ from typing import Protocol
 
 from kvpilot.errors import ConfigError
 from kvpilot.policy.baselines import Continuum, InferCept, Oracle
-from kvpilot.policy.breakeven import PauseAction, PauseDecision, PauseInputs, decide_pause
+from kvpilot.policy.breakeven import (
+    ENGINE_THRESHOLDS,
+    PauseAction,
+    PauseDecision,
+    PauseInputs,
+    PauseThresholds,
+    decide_pause,
+)
 from kvpilot.units import format_bytes, format_seconds
 
 
@@ -51,10 +58,13 @@ def _fixed(inputs: PauseInputs, action: PauseAction, reason: str) -> PauseDecisi
 
 @dataclass(frozen=True, slots=True)
 class BreakEven:
+    """The rule, with the engine's thresholds (`ENGINE_THRESHOLDS`) unless told others."""
+
     name: str = "breakeven"
+    thresholds: PauseThresholds = ENGINE_THRESHOLDS
 
     def decide(self, inputs: PauseInputs) -> PauseDecision:
-        return decide_pause(inputs)
+        return decide_pause(inputs, self.thresholds)
 
     def lease_s(self, inputs: PauseInputs) -> float:
         return math.inf
