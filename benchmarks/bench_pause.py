@@ -144,6 +144,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-sim", action="store_true")
     parser.add_argument("--no-cpu", action="store_true")
+    parser.add_argument("--no-disk", action="store_true")
+    parser.add_argument("--disk-dir", default=None, help="folder for the disk figures")
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -159,6 +161,25 @@ def main() -> None:
         print(
             f"turns whose output differs from a recompute of the same turn: "
             f"{headline['mismatches']} (must be 0)"
+        )
+    if not args.no_disk:
+        import tempfile
+
+        from pause_disk import disk_figures
+
+        with tempfile.TemporaryDirectory(prefix="kvpilot-disk-", dir=args.disk_dir) as folder:
+            total = (64 if args.quick else 256) << 20
+            disk = disk_figures(Path(folder), total, 256 << 10)
+        headline["disk"] = disk
+        headline["disk_write_fraction_raw"] = disk["disk_write_fraction_raw"]
+        headline["disk_read_fraction_raw"] = disk["disk_read_fraction_raw"]
+        print(
+            f"\ndisk ({disk['total_bytes'] >> 20} MiB in 256 KiB blocks, in "
+            f"{args.disk_dir or 'the temp folder'}): "
+            f"raw write {disk['raw_write_mb_s']:,.0f} MB/s, read {disk['raw_read_mb_s']:,.0f} MB/s "
+            f"(direct I/O: {disk['raw_direct_io']}); store write {disk['store_write_mb_s']:,.0f} "
+            f"MB/s ({disk['disk_write_fraction_raw']:.2f} of raw), read "
+            f"{disk['store_read_mb_s']:,.0f} MB/s ({disk['disk_read_fraction_raw']:.2f} of raw)"
         )
     if not args.no_sim:
         from pause_sim import sim_run
