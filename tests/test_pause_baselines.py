@@ -118,3 +118,25 @@ def test_pause_inputs_reject_negative_device_use() -> None:
 
     with pytest.raises(ConfigError, match="device_used_bytes"):
         inputs(1.0, device_used_bytes=-1.0)
+
+
+@pytest.mark.parametrize(
+    ("wait_s", "used_gb", "disk_bw", "action"),
+    [
+        (2.0, 0.0, 0.0, PauseAction.DROP),  # unknown use: 2 s past the 1 s recompute
+        (2.0, 4.0, 0.0, PauseAction.RETAIN),  # the recompute stalls 4 GB: 4 s of device time
+        (10.0, 4.0, 0.0, PauseAction.DROP),
+        (10.0, 4.0, 0.5 * GB, PauseAction.OFFLOAD_DISK),  # a 2 s disk reload beats 4 s
+        (10.0, 0.0, 0.5 * GB, PauseAction.DROP),  # ...but not a 1 s recompute
+    ],
+)
+def test_the_rule_prices_a_recompute_by_the_device_it_stalls(
+    wait_s: float, used_gb: float, disk_bw: float, action: PauseAction
+) -> None:
+    i = inputs(
+        wait_s,
+        device_used_bytes=used_gb * GB,
+        host_free_bytes=0.0,
+        host_disk_bw_bytes_s=disk_bw,
+    )
+    assert decide_pause(i).action is action, decide_pause(i).reason

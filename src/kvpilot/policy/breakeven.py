@@ -8,6 +8,9 @@ Figures, for M = kv_bytes, S = num_tokens, T = expected_wait_s:
     round_trip_s    = 2 M / B_link                 (out now, back before the resume)
     disk_reload_s   = M / min(B_link, B_disk)      (disk<->host<->device, pipelined)
     recompute_s     = S / prefill_tokens_per_s, or 2 P S / R_prefill
+    recompute_cost  = recompute_s * max(1, U / M)  (U: device_used_bytes when given: a
+                      recompute takes the device's compute from every trajectory on it, a copy
+                      runs beside them; unknown (0): recompute_s)
     held_gb_s       = M T / 1e9                    (the memory-time tax of retaining)
     T*_wait         = RT * mu_dev / (mu_dev - mu_tier) + stall_tolerance_s
                       (infinite when mu_dev <= mu_tier: the tier is no cheaper than device memory)
@@ -18,8 +21,9 @@ Rule, in order:
     (host_free_bytes < M), or when host_pressure >= thresholds.host_pressure_high and the disk
     round trip is at most thresholds.negligible_round_trip_fraction of the wait; HOST otherwise.
     A tier with zero bandwidth does not exist: with no disk and no host room there is no tier.
- 3. If there is no tier, or recompute_s < that tier's reload time: the way out is DROP
-    (recompute on return), whose round trip is recompute_s and whose residency costs nothing.
+ 3. If there is no tier, or recompute_cost < that tier's reload time: the way out is DROP
+    (recompute on return), whose round trip is recompute_cost and whose residency costs
+    nothing.
  4. RT and mu_tier are those of the chosen way out (host: host_pressure; disk and drop: 0).
     If T <= RT, or T <= T*_wait: RETAIN (moving the state would not pay for itself).
  5. Otherwise take the way out: OFFLOAD_HOST, OFFLOAD_DISK or DROP.
@@ -108,11 +112,11 @@ class PauseInputs:
     host_pressure: float = 0.0
     host_free_bytes: float = math.inf
     stall_tolerance_s: float = 0.0
-    # Context baselines read (the rule does not): the tool paused on, its recent waits, and
-    # device bytes in use by every trajectory (a recompute stalls them all, for InferCept).
+    # Device bytes in use by every trajectory (0: unknown): a recompute stalls them all.
+    device_used_bytes: float = 0.0
+    # Context baselines read (the rule does not): the tool paused on, its recent waits.
     tool: str | None = None
     tool_waits: tuple[float, ...] = ()
-    device_used_bytes: float = 0.0
 
     def __post_init__(self) -> None:
         for field in (
@@ -194,6 +198,8 @@ def decide_pause(
     disk_bw = min(inputs.device_host_bw_bytes_s, inputs.host_disk_bw_bytes_s)
     disk_reload_s = _transfer_s(m, disk_bw)
     recompute_s = inputs.recompute_s
+    share = max(1.0, inputs.device_used_bytes / m) if m > 0 else 1.0
+    recompute_cost = recompute_s * share
     gb = m / 1e9
 
     host_room = inputs.host_free_bytes >= m and not math.isinf(reload_s)
@@ -206,9 +212,9 @@ def decide_pause(
         via, tier_reload, mu_tier = PauseAction.OFFLOAD_HOST, reload_s, inputs.host_pressure
     else:
         via, tier_reload, mu_tier = PauseAction.DROP, math.inf, 0.0
-    if recompute_s < tier_reload:
+    if recompute_cost < tier_reload:
         via, mu_tier = PauseAction.DROP, 0.0
-    way_out_rt = recompute_s if via is PauseAction.DROP else 2 * tier_reload
+    way_out_rt = recompute_cost if via is PauseAction.DROP else 2 * tier_reload
     t_star = _break_even(way_out_rt, inputs.device_pressure, mu_tier, inputs.stall_tolerance_s)
 
     def decision(action: PauseAction, reason: str) -> PauseDecision:
@@ -237,7 +243,8 @@ def decide_pause(
     way_out = {
         PauseAction.OFFLOAD_HOST: f"the {s(way_out_rt)} host round trip",
         PauseAction.OFFLOAD_DISK: f"the {s(way_out_rt)} disk round trip",
-        PauseAction.DROP: f"the {s(way_out_rt)} it takes to recompute",
+        PauseAction.DROP: f"the {s(recompute_s)} it takes to recompute"
+        + ("" if share == 1.0 else f" ({s(way_out_rt)} of the whole device's time)"),
     }[via]
     if wait <= way_out_rt:
         return decision(
@@ -267,7 +274,7 @@ def decide_pause(
         if math.isinf(tier_reload):
             why = "there is no host room and no disk tier"
         else:
-            why = f"recomputing ({s(recompute_s)}) is faster than reloading ({s(tier_reload)})"
+            why = f"recomputing ({s(recompute_cost)}) is faster than reloading ({s(tier_reload)})"
         return decision(
             PauseAction.DROP,
             f"Drop: {why}, and {past}, so {size} is freed now and recomputed on return.",
