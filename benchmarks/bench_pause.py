@@ -56,6 +56,7 @@ ROW_KEYS = (
     "idle_gb_s",
     "bytes_moved",
     "mismatches",
+    "cpu_s",
 )
 BLOCK = 16
 TINY_VOCAB = 256
@@ -64,7 +65,8 @@ TINY_VOCAB = 256
 def print_header() -> None:
     print(
         f"{'policy':<13}{'turns/s':>8}{'recomputed':>11}{'p50 resume':>11}{'p99 resume':>11}"
-        f"{'idle GB·s':>10}{'to host MB':>11}{'to disk MB':>11}{'mismatch':>9}  decisions"
+        f"{'idle GB·s':>10}{'to host MB':>11}{'to disk MB':>11}{'CPU s':>7}{'mismatch':>9}"
+        "  decisions"
     )
 
 
@@ -75,7 +77,8 @@ def print_row(policy: str, r: dict[str, Any]) -> None:
         f"{policy:<13}{r['turns_per_s']:>8.3f}{r['recomputed_tokens']:>11,}"
         f"{r['p50_resume_ttft_s'] * 1e3:>9.1f}ms{r['p99_resume_ttft_s'] * 1e3:>9.1f}ms"
         f"{r['idle_gb_s']:>10.3f}{moved.get('device_to_host', 0) / 1e6:>11.1f}"
-        f"{moved.get('device_to_disk', 0) / 1e6:>11.1f}{r.get('mismatches', 0):>9}  {decisions}"
+        f"{moved.get('device_to_disk', 0) / 1e6:>11.1f}{r.get('cpu_s', r.get('wall_s', 0)):>7.1f}"
+        f"{r.get('mismatches', 0):>9}  {decisions}"
     )
 
 

@@ -35,6 +35,7 @@ from kvpilot.trace.waits import WaitModel
 MODEL, NODE, TP = "llama-3-70b", "8xh100", 8
 VOCAB = 32000
 OUTPUT_TOKENS = 4
+BLOCK = 16  # the engine's default block size
 MAX_CONTEXT_TOKENS = 131072
 
 
@@ -134,18 +135,20 @@ def sim_run(
     work = working_set_tokens(sessions)
     base = SimSetup(model=MODEL, node=NODE, tp=TP)
     per_token = base.geometry().bytes_per_token(TP)
-    engine = EngineConfig(max_num_seqs=256, max_num_batched_tokens=2048)
+    engine = EngineConfig.from_kwargs(
+        max_num_seqs=256, max_num_batched_tokens=2048, pause_ttl_s=args.ttl
+    )
     setup = dataclasses.replace(
         base,
-        kv_blocks=int(work * args.device_fraction) // engine.block_size,
+        kv_blocks=int(work * args.device_fraction) // BLOCK,
         host_kv_bytes_per_device=work * args.host_fraction * per_token,
-        engine=dataclasses.replace(engine, pause_ttl_s=args.ttl),
+        engine=engine,
         duration_s=24 * 3600.0,
     )
     print(
         f"\n== simulated node, {MODEL} on {NODE} (TP {TP}): {len(sessions)} sessions, "
         f"{sum(map(len, sessions))} turns, working set {work:,} tokens; device pool "
-        f"{setup.kv_blocks * engine.block_size:,} tokens, host {int(work * args.host_fraction):,}"
+        f"{setup.kv_blocks * BLOCK:,} tokens, host {int(work * args.host_fraction):,}"
         ", no disk tier =="
     )
     print_header()
