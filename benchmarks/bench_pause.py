@@ -112,6 +112,12 @@ def cpu_run(args: argparse.Namespace, policies: list[str]) -> dict[str, Any]:
         r = replay("tiny", policy, sessions, pools, cal, args.ttl, expected)
         rows[policy] = r
         print_row(policy, r)
+    # The machine is shared: the same policy again at the end shows how far the load drifted.
+    first = policies[0]
+    again = replay("tiny", first, sessions, pools, cal, args.ttl, expected)
+    drift = again["turns_per_s"] / max(rows[first]["turns_per_s"], 1e-9)
+    print_row(f"{first} again", again)
+    print(f"drift: {first} ran at {drift:.2f}x its first turns/s when run again last")
     be = rows.get("breakeven", next(iter(rows.values())))
     print(
         f"achieved ratio (breakeven run): reload {be['achieved_link_ratio']:.0f}x faster than "
@@ -125,6 +131,7 @@ def cpu_run(args: argparse.Namespace, policies: list[str]) -> dict[str, Any]:
         "target_disk_ratio": round(target.disk_ratio, 2),
         "achieved_link_ratio": be["achieved_link_ratio"],
         "achieved_disk_ratio": be["achieved_disk_ratio"],
+        "rerun": {"policy": first, "turns_per_s": again["turns_per_s"], "drift": round(drift, 3)},
         "prefill_tokens_per_s": round(rate, 1),
         "time_factor": args.time_factor,
     }
