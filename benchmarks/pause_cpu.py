@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import tempfile
 import time
+from pathlib import Path
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,8 +22,7 @@ from kvpilot.emulate.disk import ThrottledDiskStore
 from kvpilot.emulate.link import LinkSchedule
 from kvpilot.emulate.target import EmulationTarget
 from kvpilot.emulate.transport import ThrottledTransport
-from kvpilot.engine import Engine, SamplingParams
-from kvpilot.policy.meters import RateMeter
+from kvpilot.engine import Engine, EngineConfig, SamplingParams
 from kvpilot.policy.pause import TRUE_WAIT_POLICIES
 
 PARAMS = SamplingParams(max_tokens=4, ignore_eos=True)
@@ -80,9 +80,13 @@ def calibrate(rate: float, per_token: float, target: EmulationTarget, cpu_s: flo
 def emulated_engine(
     model: str, policy: str, pools: Pools, disk_dir: str, cal: Calibration, ttl_s: float
 ) -> Engine:
-    """An engine with host and disk tiers behind links of the calibrated bandwidths."""
-    engine = Engine.from_pretrained(
-        model,
+    """An engine with host and disk tiers behind links of the calibrated bandwidths (the
+    composition of `kvpilot.model.build.build_engine`, with the tiers wrapped)."""
+    from kvpilot.model.runner import ModelRunner
+    from kvpilot.model.transfer import TorchTierTransport
+    from kvpilot.store import DiskBlockStore, SessionStore
+
+    config = EngineConfig.from_kwargs(
         kv_blocks=pools.device_blocks,
         host_kv_blocks=pools.host_blocks,
         disk_dir=disk_dir,
@@ -92,15 +96,22 @@ def emulated_engine(
         poison_freed_blocks=True,
         **ENGINE_OPTIONS,
     )
-    mover = engine.offload.mover
-    assert mover.transport is not None and mover.disk is not None
-    mover.transport = ThrottledTransport(mover.transport, LinkSchedule(cal.link_bytes_per_s))
-    mover.disk = ThrottledDiskStore(mover.disk, LinkSchedule(cal.disk_bytes_per_s))  # type: ignore[assignment]
-    # The start-up probes measured the raw links: measure the emulated ones instead.
-    mover.link = RateMeter()
-    mover._probe_link()
-    mover._probe_disk()
-    return engine
+    runner = ModelRunner(model, num_blocks=pools.device_blocks)
+    inner = TorchTierTransport(runner.kv_cache, pools.host_blocks)
+    transport = ThrottledTransport(inner, LinkSchedule(cal.link_bytes_per_s))
+    store = DiskBlockStore(Path(disk_dir), pools.disk_blocks, inner.block_bytes)
+    disk = ThrottledDiskStore(store, LinkSchedule(cal.disk_bytes_per_s))
+    return Engine(
+        runner,
+        config,
+        tokenizer=runner.tokenizer,
+        eos_token_ids=runner.eos_token_ids,
+        max_model_len=runner.max_model_len,
+        vocab_size=runner.config.vocab_size,
+        transport=transport,
+        disk=disk,  # type: ignore[arg-type]
+        session_store=SessionStore(Path(disk_dir)),
+    )
 
 
 def replay(

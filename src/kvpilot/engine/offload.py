@@ -127,7 +127,7 @@ class OffloadManager:
         else:
             wait, source = float(expected_wait_s), "hint from the caller"
         nodes = self.exclusive_device_nodes(traj)
-        inputs = self._inputs(traj, nodes, wait)
+        inputs = self._inputs(traj, nodes, wait, tool)
         decision = self._feasible(self.policy.decide(inputs))
         now = self.now()
         lease = self.policy.lease_s(inputs) if decision.action is PauseAction.RETAIN else 0.0
@@ -150,14 +150,26 @@ class OffloadManager:
             self.session_store.save(session.session_id, traj.tokens, session.salt, meta)
         return decision
 
-    def _inputs(self, traj: Trajectory, nodes: list[RadixNode], wait: float) -> PauseInputs:
+    def _inputs(
+        self, traj: Trajectory, nodes: list[RadixNode], wait: float, tool: str | None = None
+    ) -> PauseInputs:
         mover = self.mover
         tokens = sum(len(n.tokens) for n in nodes) + traj.num_computed_tokens - traj.locked_tokens
         blocks = sum(n.num_blocks for n in nodes) + traj.num_private_blocks
         host = mover.host_pool
         host_free = 0.0
+        host_pressure = 1.0
         if host is not None and mover.has_host:
-            host_free = (host.num_free + self.radix.evictable_blocks(Tier.HOST)) * self.block_bytes
+            # Host room is what LRU may evict, less what paused sessions offloaded there and
+            # will want back: those bytes are held, not cache (`host.usage` counts both).
+            free = (host.num_free + self.radix.evictable_blocks(Tier.HOST)) * self.block_bytes
+            awaited = sum(
+                r.inputs.kv_bytes
+                for r in self.records.values()
+                if r.action is PauseAction.OFFLOAD_HOST and r.state is PauseState.OFFLOADED
+            )
+            host_free = max(0.0, free - awaited)
+            host_pressure = 1.0 - host_free / max(host.num_blocks * self.block_bytes, 1)
         return PauseInputs(
             kv_bytes=float(blocks * self.block_bytes),
             num_tokens=max(tokens, 0),
@@ -167,10 +179,38 @@ class OffloadManager:
             prefill_tokens_per_s=self.prefill.tokens_per_s(
                 len(traj.tokens), DEFAULT_PREFILL_TOKENS_PER_S
             ),
-            device_pressure=min(1.0, max(0.0, self.pressure())),
-            host_pressure=host.usage if host is not None else 1.0,
+            device_pressure=self._pressure_on(float(blocks * self.block_bytes), wait),
+            host_pressure=min(1.0, max(0.0, host_pressure)),
             host_free_bytes=float(host_free),
+            device_used_bytes=float(self.kv.device.num_used * self.block_bytes),
+            tool=tool,
+            tool_waits=tuple(self.waits.by_tool.get(tool, ())) if tool else (),
         )
+
+    def _next_use(self, record: PauseRecord, now: float) -> float:
+        # Overdue: a wait past its prediction is a long one (approvals, slow tools), so
+        # expect it to last as long again rather than to end at once.
+        return max(record.expected_return, now + (now - record.paused_at))
+
+    def _pressure_on(self, kv_bytes: float, wait: float) -> float:
+        """The device pressure this pause's state faces: the engine's, times the share of
+        retained idle state that is back sooner than it. When memory is needed, `reclaim`
+        demotes whatever is back last first, so state that others would give way for is
+        under no pressure itself; the one back last feels it all."""
+        pressure = min(1.0, max(0.0, self.pressure()))
+        now = self.now()
+        back = now + wait
+        sooner = later = 0.0
+        for record in self.records.values():
+            if record.state is not PauseState.RETAINED:
+                continue
+            if self._next_use(record, now) > back:
+                later += record.inputs.kv_bytes
+            else:
+                sooner += record.inputs.kv_bytes
+        if later == 0.0:
+            return pressure
+        return pressure * (sooner + kv_bytes) / (sooner + later + kv_bytes)
 
     def _feasible(self, decision: PauseDecision) -> PauseDecision:
         """A fixed policy may ask for a tier this engine lacks: fall back, and say so."""
@@ -338,7 +378,9 @@ class OffloadManager:
 
         def next_use(s: PausableSession) -> float:
             record = self.records.get(s.session_id)
-            return record.expected_return if record is not None else now + (now - s.last_used)
+            if record is None:
+                return now + (now - s.last_used)
+            return self._next_use(record, now)
 
         victim = max(holders, key=next_use)
         nodes = self.exclusive_device_nodes(victim.traj)

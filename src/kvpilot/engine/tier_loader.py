@@ -110,6 +110,11 @@ class TierLoader:
         dev = self._allocate_device(need, match.path, host_nodes)
         if dev is None:
             return Residency.NO_ROOM
+        if any(not n.alive or Tier.HOST not in n.blocks for n in host_nodes):
+            # Making room evicted a device-only node above one of them, and its subtree went
+            # with it: give the blocks back and match again on the next step.
+            self.residency.unpin(Tier.DEVICE, dev, drop_reference=True)
+            return Residency.LOADING
         host_map: dict[int, int] = {}
         for node in host_nodes:
             host = node.blocks[Tier.HOST]
