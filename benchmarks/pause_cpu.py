@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import tempfile
 import time
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from pause_workload import Turn, agent_rate, common_prefix, pct
