@@ -25,7 +25,7 @@ from kvpilot.engine.tier_stats import PauseRecord, PauseState, TierStats
 from kvpilot.errors import InvalidRequest, require
 from kvpilot.memory import KVManager, RadixNode, Tier, Trajectory
 from kvpilot.memory.residency import Residency
-from kvpilot.policy.breakeven import PauseAction, PauseDecision, PauseInputs
+from kvpilot.policy.breakeven import PauseAction, PauseDecision, PauseInputs, clamp_wait_s
 from kvpilot.policy.meters import PrefillRateMeter, WaitPredictor
 from kvpilot.policy.pause import PausePolicy, make_pause_policy
 
@@ -126,6 +126,7 @@ class OffloadManager:
             wait, source = self.waits.predict(tool)
         else:
             wait, source = float(expected_wait_s), "hint from the caller"
+        wait = clamp_wait_s(wait)  # timers and figures stay finite whatever the caller said
         nodes = self.exclusive_device_nodes(traj)
         inputs = self._inputs(traj, nodes, wait, tool)
         decision = self._feasible(self.policy.decide(inputs))

@@ -27,6 +27,7 @@ from pydantic import (
     StrictStr,
 )
 
+from kvpilot.policy.breakeven import MAX_WAIT_S
 from kvpilot.server.protocol import ApiError, ChatCompletionRequest, ChatMessage
 from kvpilot.server.submit import BreakpointSpec
 
@@ -156,7 +157,9 @@ class MessagesRequest(BaseModel):
     cache_control: CacheControl | None = None  # a breakpoint on the last block
     # kvpilot's extras, as on the OpenAI routes
     session_id: StrictStr | None = Field(None, min_length=1, max_length=128)
-    expected_tool_wait_s: StrictFloat | None = Field(None, ge=0.0, allow_inf_nan=False)
+    expected_tool_wait_s: StrictFloat | None = Field(
+        None, ge=0.0, le=MAX_WAIT_S, allow_inf_nan=False
+    )
     tool: StrictStr | None = Field(None, max_length=256)
     prompt_cache_key: StrictStr | None = Field(None, min_length=1, max_length=256)
 

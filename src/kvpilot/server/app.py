@@ -13,22 +13,21 @@ from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST
+from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvpilot.engine import Engine
 from kvpilot.errors import InvalidRequest, KvpilotError, PromptTooLong
-from kvpilot.server import completions_api, messages_api, sessions_api, usage_api
+from kvpilot.server import completions_api, health, messages_api, sessions_api, usage_api
 from kvpilot.server.anthropic_protocol import anthropic_error_body, is_anthropic_route
 from kvpilot.server.async_engine import AsyncEngine
 from kvpilot.server.limits import BodySizeLimit, ServerLimits
 from kvpilot.server.metrics import ServerMetrics
+from kvpilot.server.ops import OpsConfig
 from kvpilot.server.prompt_cache import PromptCache, PromptCacheConfig
 from kvpilot.server.protocol import ApiError, ModelCard, ModelList, error_body
 from kvpilot.server.state import ServerState, get_state, get_tenant
 from kvpilot.server.tenancy import ApiKeys
-from kvpilot.server.tiers import describe_tiers
 
 log = logging.getLogger("kvpilot.server")
 
@@ -41,6 +40,7 @@ def create_app(
     api_keys: ApiKeys | None = None,
     options: Mapping[str, Any] | None = None,
     prompt_cache: PromptCacheConfig | None = None,
+    ops: OpsConfig | None = None,
 ) -> FastAPI:
     """An app serving ``engine``; its engine thread runs while the app is up (lifespan)."""
     limits = limits or ServerLimits()
@@ -58,6 +58,7 @@ def create_app(
         metrics=metrics,
         options=dict(options or {}),
         prompt_cache=cache,
+        ops=ops or OpsConfig(),
     )
 
     @asynccontextmanager
@@ -78,42 +79,13 @@ def create_app(
     app.include_router(sessions_api.router)
     app.include_router(messages_api.router)
     app.include_router(usage_api.router)
+    app.include_router(health.router)
 
     @app.get("/v1/models")
     async def models(request: Request, tenant: str | None = Depends(get_tenant)) -> dict:
         s = get_state(request)
         card = ModelCard(id=s.model_name, created=s.created, max_model_len=s.max_model_len)
         return ModelList(data=[card]).model_dump()
-
-    @app.get("/health")
-    async def health(request: Request) -> JSONResponse:
-        s = get_state(request)
-        snap = s.metrics.latest
-        ok = s.engine.running
-        body = {
-            "status": "ok" if ok else "error",
-            "model": s.model_name,
-            "engine": "running" if ok else s.engine.stop_reason(),
-            "requests": {"running": snap.running, "waiting": snap.waiting},
-            "sessions": len(s.sessions),
-            "kv": {
-                tier: {"blocks": t.num_blocks, "used": t.used_blocks, "cached": t.cached_blocks}
-                for tier, t in snap.tiers.items()
-            },
-            "tiers": describe_tiers(snap),
-            "pauses": {
-                "decisions": snap.pause_decisions,
-                "bytes_moved": snap.bytes_moved,
-                "prefetch_hits": snap.prefetch_hits,
-                "prefetch_stalls": snap.prefetch_stalls,
-            },
-            "options": s.options,
-        }
-        return JSONResponse(body, status_code=200 if ok else 503)
-
-    @app.get("/metrics")
-    async def metrics_endpoint(request: Request) -> Response:
-        return Response(get_state(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     return app
 

@@ -23,6 +23,8 @@ from pydantic import (
     StrictStr,
 )
 
+from kvpilot.policy.breakeven import MAX_WAIT_S
+
 ErrorType = Literal[
     "invalid_request_error",
     "authentication_error",
@@ -104,7 +106,9 @@ class GenerationRequest(BaseModel):
     user: StrictStr | None = None
     session_id: StrictStr | None = Field(None, min_length=1, max_length=128)
     session_history: SessionHistory = "auto"
-    expected_tool_wait_s: StrictFloat | None = Field(None, ge=0.0, allow_inf_nan=False)
+    expected_tool_wait_s: StrictFloat | None = Field(
+        None, ge=0.0, le=MAX_WAIT_S, allow_inf_nan=False
+    )
     tool: StrictStr | None = Field(None, max_length=256)
     cache_salt: StrictStr | None = Field(None, min_length=1, max_length=256)
     return_token_ids: StrictBool = False
@@ -210,7 +214,7 @@ class PauseSessionRequest(BaseModel):
     """Without ``expected_wait_s`` the engine predicts the wait from the tool's past waits."""
 
     model_config = ConfigDict(extra="forbid")
-    expected_wait_s: StrictFloat | None = Field(None, ge=0.0, allow_inf_nan=False)
+    expected_wait_s: StrictFloat | None = Field(None, ge=0.0, le=MAX_WAIT_S, allow_inf_nan=False)
     tool: StrictStr | None = Field(None, max_length=256)
 
 

@@ -11,6 +11,7 @@ from fastapi import Request
 from kvpilot.server.async_engine import AsyncEngine
 from kvpilot.server.limits import ServerLimits
 from kvpilot.server.metrics import ServerMetrics
+from kvpilot.server.ops import OpsConfig
 from kvpilot.server.prompt_cache import PromptCache
 from kvpilot.server.session_registry import SessionRegistry
 from kvpilot.server.tenancy import ApiKeys
@@ -29,6 +30,8 @@ class ServerState:
     # Options accepted on the command line and how the engine took them, shown by /health.
     options: dict[str, Any] = field(default_factory=dict)
     created: int = field(default_factory=lambda: int(time.time()))
+    ops: OpsConfig = field(default_factory=OpsConfig)
+    draining: bool = False  # shutting down: /ready fails, new requests get 503
 
 
 def get_state(request: Request) -> ServerState:
