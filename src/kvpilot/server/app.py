@@ -21,6 +21,7 @@ from kvpilot.errors import InvalidRequest, KvpilotError, PromptTooLong
 from kvpilot.server import completions_api, health, messages_api, sessions_api, usage_api
 from kvpilot.server.anthropic_protocol import anthropic_error_body, is_anthropic_route
 from kvpilot.server.async_engine import AsyncEngine
+from kvpilot.server.fault_metrics import FaultCollector
 from kvpilot.server.limits import BodySizeLimit, ServerLimits
 from kvpilot.server.metrics import ServerMetrics
 from kvpilot.server.ops import OpsConfig
@@ -49,6 +50,7 @@ def create_app(
     async_engine = AsyncEngine(
         engine, on_iteration=metrics.observe, on_abort=metrics.requests_aborted.inc
     )
+    metrics.registry.register(FaultCollector(async_engine))
     state = ServerState(
         engine=async_engine,
         model_name=model_name,

@@ -1,0 +1,42 @@
+"""Faults the server survived, as Prometheus counters: disk writes that failed (blocks and
+sessions not stored), engine steps that failed, and restarts of the engine loop.
+
+The counters are read from any thread: each store counts under its own lock and the loop's
+counters are plain integers, so nothing here waits for the engine thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kvpilot.server.async_engine import AsyncEngine
+
+
+class FaultCollector(Collector):
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.engine = engine
+
+    def collect(self) -> Iterator[Metric]:
+        offload = self.engine.engine.offload
+        writes = CounterMetricFamily(
+            "kvpilot_disk_write_errors",
+            "Disk writes that failed (full disk, I/O error): not stored, recomputed when needed",
+            labels=["what"],
+        )
+        disk, sessions = offload.disk, offload.session_store
+        writes.add_metric(["blocks"], disk.faults.failures if disk is not None else 0)
+        writes.add_metric(["sessions"], sessions.faults.failures if sessions is not None else 0)
+        yield writes
+        yield CounterMetricFamily(
+            "kvpilot_engine_step_faults",
+            "Engine steps that raised: their requests failed, the loop went on",
+            value=self.engine.faults,
+        )
+        yield CounterMetricFamily(
+            "kvpilot_engine_loop_restarts",
+            "Times the engine loop died and its supervisor restarted it",
+            value=self.engine.restarts,
+        )
