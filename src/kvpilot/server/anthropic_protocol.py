@@ -28,7 +28,7 @@ from pydantic import (
 )
 
 from kvpilot.policy.breakeven import MAX_WAIT_S
-from kvpilot.server.protocol import ApiError, ChatCompletionRequest, ChatMessage
+from kvpilot.server.protocol import ApiError, ChatCompletionRequest, ChatMessage, RequestBody
 from kvpilot.server.submit import BreakpointSpec
 
 MAX_BREAKPOINTS = 4
@@ -139,7 +139,7 @@ class Metadata(BaseModel):
     user_id: StrictStr | None = None
 
 
-class MessagesRequest(BaseModel):
+class MessagesRequest(RequestBody):
     model_config = ConfigDict(extra="forbid")
 
     model: StrictStr

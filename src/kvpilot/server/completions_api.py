@@ -223,11 +223,14 @@ def _validate(state: ServerState, body: GenerationRequest) -> None:
 
 
 async def _wait_finished(call: Call) -> RequestOutput:
+    """The request's final output; its client's connection is checked every
+    `DISCONNECT_POLL_S` meanwhile, outputs or not, and a client gone aborts the request."""
+    check_at = time.monotonic() + DISCONNECT_POLL_S
     while True:
         output = await call.stream.next(DISCONNECT_POLL_S)
-        if output is None:
+        if output is not None and output.finished:
+            return output
+        if time.monotonic() >= check_at:
             if await call.http.is_disconnected():
                 raise ApiError(499, "the client closed the connection", code="client_closed")
-            continue
-        if output.finished:
-            return output
+            check_at = time.monotonic() + DISCONNECT_POLL_S

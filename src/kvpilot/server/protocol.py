@@ -21,6 +21,7 @@ from pydantic import (
     StrictFloat,
     StrictInt,
     StrictStr,
+    model_validator,
 )
 
 from kvpilot.policy.breakeven import MAX_WAIT_S
@@ -67,6 +68,37 @@ def error_body(
 
 # -- requests ------------------------------------------------------------------------------
 
+
+def check_text(data: Any, where: str = "body") -> Any:
+    """``data`` unchanged, or ValueError (a 400) if a string in it is not valid Unicode text:
+    JSON may escape lone surrogates (``"\\ud800"``), which no tokenizer can encode."""
+    if isinstance(data, str):
+        try:
+            data.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(
+                f"{where} holds a lone surrogate at character {exc.start}: text must be valid "
+                "Unicode (a UTF-16 surrogate escape must come in a high-low pair)"
+            ) from None
+    elif isinstance(data, dict):
+        for key, value in data.items():
+            check_text(key, where)
+            check_text(value, f"{where}.{key}" if isinstance(key, str) else where)
+    elif isinstance(data, list):
+        for i, value in enumerate(data):
+            check_text(value, f"{where}[{i}]")
+    return data
+
+
+class RequestBody(BaseModel):
+    """A request body: every string in it must be valid Unicode text."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_text(cls, data: Any) -> Any:
+        return check_text(data, "body")
+
+
 SessionHistory = Literal["auto", "full", "append"]
 
 # Fields of the OpenAI API kvpilot does not implement, with the values that mean "unused".
@@ -87,7 +119,7 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
-class GenerationRequest(BaseModel):
+class GenerationRequest(RequestBody):
     """Fields shared by completions and chat completions."""
 
     model_config = ConfigDict(extra="allow")
@@ -200,17 +232,17 @@ class ChatCompletionRequest(GenerationRequest):
         return [m.for_template() for m in self.messages]
 
 
-class CreateSessionRequest(BaseModel):
+class CreateSessionRequest(RequestBody):
     model_config = ConfigDict(extra="forbid")
     cache_salt: StrictStr | None = Field(None, min_length=1, max_length=256)
 
 
-class ForkSessionRequest(BaseModel):
+class ForkSessionRequest(RequestBody):
     model_config = ConfigDict(extra="forbid")
     n: StrictInt = Field(1, ge=1)
 
 
-class PauseSessionRequest(BaseModel):
+class PauseSessionRequest(RequestBody):
     """Without ``expected_wait_s`` the engine predicts the wait from the tool's past waits."""
 
     model_config = ConfigDict(extra="forbid")

@@ -14,6 +14,7 @@ from typing import Any
 
 from kvpilot.engine import Engine, SamplingParams
 from kvpilot.errors import InvalidRequest
+from kvpilot.server.chat_render import render_chat_safely
 from kvpilot.server.limits import resolve_max_tokens
 from kvpilot.server.protocol import ApiError, SessionHistory
 from kvpilot.server.turns import (
@@ -91,8 +92,9 @@ def render_chat_text(
     *,
     generation_prompt: bool = True,
 ) -> tuple[str, list[int]]:
-    """The chat prompt's text and tokens. A template that does not render tools gets them
-    as JSON at the start of the system message, so that they reach the model."""
+    """The chat prompt's text and tokens (message content never becomes control tokens). A
+    template that does not render tools gets them as JSON at the start of the system message,
+    so that they reach the model."""
     tokenizer = engine.tokenizer
     template = getattr(tokenizer, "chat_template", None) if tokenizer is not None else None
     if tokenizer is None or not template:
@@ -101,13 +103,7 @@ def render_chat_text(
         )
     if tools and "tools" not in str(template):
         messages, tools = tools_in_system(messages, tools), None
-    try:
-        text = tokenizer.apply_chat_template(
-            messages, tools=tools, add_generation_prompt=generation_prompt, tokenize=False
-        )
-    except Exception as exc:  # jinja2 raises TemplateError, templates raise what they like
-        raise InvalidRequest(f"the chat template refused these messages: {exc}") from exc
-    return text, list(tokenizer.encode(text, add_special_tokens=False))
+    return render_chat_safely(tokenizer, messages, tools, generation_prompt=generation_prompt)
 
 
 def tools_in_system(
