@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +34,7 @@ if TYPE_CHECKING:  # FastAPI, the server and the engine load only when `serve` r
     from kvpilot.engine.config import EngineConfig
     from kvpilot.server.banner import StartupBanner
     from kvpilot.server.limits import ServerLimits
+    from kvpilot.server.ops import OpsConfig
     from kvpilot.server.prompt_cache import PromptCacheConfig
 
 
@@ -60,8 +62,11 @@ class ServeOptions:
     prices: Path | None = None
     usage_dir: Path | None = None
     prompt_cache_min_tokens: int = 1024
+    metrics_key: str | None = None
+    shutdown_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
+        self.ops()  # --metrics-key and --shutdown-timeout are checked with everything else
         if self.prompt_cache_min_tokens < 1:
             raise ConfigError("--prompt-cache-min-tokens must be at least 1")
         disk_dir = self.disk_dir
@@ -77,6 +82,11 @@ class ServeOptions:
     def disk_dir(self) -> Path | None:
         folder = self.engine.runner.tiers.disk_dir
         return None if folder is None else Path(folder)
+
+    def ops(self) -> OpsConfig:
+        from kvpilot.server.ops import OpsConfig
+
+        return OpsConfig(metrics_key=self.metrics_key, shutdown_timeout_s=self.shutdown_timeout_s)
 
 
 def build_app(options: ServeOptions, banner: StartupBanner | None = None) -> FastAPI:
@@ -100,6 +110,7 @@ def build_app(options: ServeOptions, banner: StartupBanner | None = None) -> Fas
         api_keys=keys,
         options=options.engine.flat(changed_only=True),
         prompt_cache=prompt_cache_config(options),
+        ops=options.ops(),
     )
 
 
@@ -189,6 +200,14 @@ def serve(
     prompt_cache_min_tokens: Annotated[
         int, typer.Option(help="Shortest prefix a cache_control breakpoint caches, tokens.")
     ] = 1024,
+    metrics_key: Annotated[
+        str | None,
+        typer.Option(help="Admin key for /metrics (with --api-keys; else loopback only)."),
+    ] = None,
+    shutdown_timeout: Annotated[
+        float,
+        typer.Option(help="Seconds in-flight requests get on SIGTERM/SIGINT before abort."),
+    ] = 30.0,
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API, with agent sessions and /metrics.
 
@@ -236,6 +255,8 @@ def serve(
             prices=prices,
             usage_dir=usage_dir,
             prompt_cache_min_tokens=prompt_cache_min_tokens,
+            metrics_key=metrics_key,
+            shutdown_timeout_s=shutdown_timeout,
         )
     except KvpilotError as exc:
         typer.echo(f"error: {exc}", err=True)
@@ -254,8 +275,17 @@ def serve(
         raise typer.Exit(code=2) from exc
     import uvicorn
 
+    from kvpilot.server.ops import GracefulServer, drain_hook
+
     banner.listening(f"http://{host}:{port}")
-    uvicorn.run(app, host=host, port=port, log_level="info")
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level="info",
+        timeout_graceful_shutdown=math.ceil(options.shutdown_timeout_s),
+    )
+    GracefulServer(config, on_drain=drain_hook(app)).run()
 
 
 def _limits(max_tokens: int, max_n: int, sessions: int, body_bytes: int) -> ServerLimits:
