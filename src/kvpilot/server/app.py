@@ -29,6 +29,7 @@ from kvpilot.server.prompt_cache import PromptCache, PromptCacheConfig
 from kvpilot.server.protocol import ApiError, ModelCard, ModelList, error_body
 from kvpilot.server.state import ServerState, get_state, get_tenant
 from kvpilot.server.tenancy import ApiKeys
+from kvpilot.server.tokenization import Tokenization
 
 log = logging.getLogger("kvpilot.server")
 
@@ -58,6 +59,7 @@ def create_app(
         limits=limits,
         api_keys=api_keys or ApiKeys(),
         metrics=metrics,
+        tokenization=Tokenization(engine),
         options=dict(options or {}),
         prompt_cache=cache,
         ops=ops or OpsConfig(),
@@ -71,6 +73,7 @@ def create_app(
             yield
         finally:
             async_engine.shutdown()  # also closes the engine (copiers, disk tier)
+            state.tokenization.close()
             cache.close()
 
     app = FastAPI(title="kvpilot", lifespan=lifespan)

@@ -35,6 +35,7 @@ from kvpilot.server.submit import (
     Submitted,
     request_adder,
     sampling_params,
+    tokenize,
 )
 from kvpilot.server.tenancy import cache_salt, key_id
 
@@ -131,9 +132,30 @@ async def start_call(
             param="expected_tool_wait_s" if body.expected_tool_wait_s is not None else "tool",
         )
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}"
+    spec = (
+        SessionSpec(
+            session.session_id,
+            body.session_history,
+            list(session.messages),
+            list(session.opening_tokens),
+            has_history=bool(session.opening_tokens),
+            expected_tool_wait_s=body.expected_tool_wait_s,
+            tool=body.tool,
+        )
+        if session is not None
+        else None
+    )
+    # Off the engine thread: a prompt that cannot fit is refused before it is tokenised, and
+    # tokenising (the cost that grows with the prompt) runs on the worker pool.
+    tokenization = state.tokenization
+    tokenization.check_size(prompt.text_or_ids, prompt.messages, prompt.tools)
+    tokenized = await tokenization.run(
+        lambda: tokenize(tokenization.engine, tokenization.renderer, prompt, spec)
+    )
     add = request_adder(
         request_id=request_id,
         prompt=prompt,
+        tokenized=tokenized,
         params=sampling_params(
             n=body.n,
             temperature=body.temperature,
@@ -148,18 +170,7 @@ async def start_call(
             state.limits.max_tokens_limit if chat else COMPLETION_DEFAULT_MAX_TOKENS
         ),
         salt=cache_salt(tenant, body.cache_salt),
-        session=(
-            SessionSpec(
-                session.session_id,
-                body.session_history,
-                list(session.messages),
-                list(session.opening_tokens),
-                expected_tool_wait_s=body.expected_tool_wait_s,
-                tool=body.tool,
-            )
-            if session is not None
-            else None
-        ),
+        session=spec,
         keep_prompt_ids=body.return_token_ids,
         ideal=state.metrics.ideal,
     )

@@ -15,6 +15,7 @@ from kvpilot.server.ops import OpsConfig
 from kvpilot.server.prompt_cache import PromptCache
 from kvpilot.server.session_registry import SessionRegistry
 from kvpilot.server.tenancy import ApiKeys
+from kvpilot.server.tokenization import Tokenization
 
 
 @dataclass(slots=True)
@@ -25,6 +26,7 @@ class ServerState:
     limits: ServerLimits
     api_keys: ApiKeys
     metrics: ServerMetrics
+    tokenization: Tokenization  # prompts -> tokens on a worker pool
     sessions: SessionRegistry = field(default_factory=SessionRegistry)
     prompt_cache: PromptCache | None = None
     # Options accepted on the command line and how the engine took them, shown by /health.
