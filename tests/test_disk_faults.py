@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import logging
 import sqlite3
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -145,3 +146,35 @@ def test_a_full_disk_does_not_stop_the_engine(server: tuple[httpx.Client, Engine
     )
     assert response.status_code == 200, response.text
     assert sid in offload.session_store  # saved again once the disk has room
+
+
+def test_offload_disk_without_a_host_tier_frees_the_device(tmp_path: Path) -> None:
+    """Device -> disk directly: the session's blocks land on disk and leave the device (no
+    immediate load back: the reload estimate must be finite without a host tier)."""
+    engine = Engine.from_pretrained(
+        "tiny", kv_blocks=64, max_model_len=512, disk_dir=str(tmp_path), pause_policy="offload-disk"
+    )
+    with (
+        BackgroundServer(create_app(engine, model_name="tiny")) as srv,
+        httpx.Client(base_url=srv.base_url, timeout=60) as http,
+    ):
+        sid = http.post("/v1/sessions").json()["id"]
+        prompt = "a prompt long enough to fill several blocks of sixteen tokens: " * 3
+        turn = {"prompt": prompt, "session_id": sid, "expected_tool_wait_s": 60.0, **GREEDY}
+        response = http.post("/v1/completions", json=turn)
+        assert response.status_code == 200, response.text
+        pause = response.json()["kvpilot"]["pause"]
+        assert pause["action"] == "offload_disk"
+        deadline = time.monotonic() + 20
+        while True:
+            blocks = http.get(f"/v1/sessions/{sid}").json()["blocks"]
+            if (blocks["disk"] and not blocks["device"]) or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert blocks["disk"] >= blocks["full_blocks"] - 1 > 0, blocks
+        assert blocks["device"] == 0 and blocks["held_on_device"] == 0, blocks
+        time.sleep(1.0)  # and it stays off the device until the agent comes back
+        assert http.get(f"/v1/sessions/{sid}").json()["blocks"]["device"] == 0
+        again = {"prompt": " next", "session_id": sid, **GREEDY}
+        resumed = http.post("/v1/completions", json=again).json()
+        assert resumed["kvpilot"]["cached_tokens_by_tier"]["disk"] > 0

@@ -175,7 +175,7 @@ class OffloadManager:
             kv_bytes=float(blocks * self.block_bytes),
             num_tokens=max(tokens, 0),
             expected_wait_s=wait,
-            device_host_bw_bytes_s=mover.link_bw(),
+            device_host_bw_bytes_s=mover.device_link_bw(),
             host_disk_bw_bytes_s=mover.disk_bw(),
             prefill_tokens_per_s=self.prefill.tokens_per_s(
                 len(traj.tokens), DEFAULT_PREFILL_TOKENS_PER_S
@@ -252,7 +252,7 @@ class OffloadManager:
             self.mover.hint_disk(traj)
             reload_s = record.decision.disk_reload_s
         record.state = PauseState.OFFLOADED
-        if self.prefetch_enabled:
+        if self.prefetch_enabled and math.isfinite(reload_s):
             record.prefetch_at = record.expected_return - 2 * reload_s - 0.005
             prefetch = lambda: self._prefetch(session)  # noqa: E731
             self.timers.at(record.prefetch_at, session.session_id, prefetch)
