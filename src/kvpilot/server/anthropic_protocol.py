@@ -28,7 +28,13 @@ from pydantic import (
 )
 
 from kvpilot.policy.breakeven import MAX_WAIT_S
-from kvpilot.server.protocol import ApiError, ChatCompletionRequest, ChatMessage, RequestBody
+from kvpilot.server.protocol import (
+    SESSION_ID_PATTERN,
+    ApiError,
+    ChatCompletionRequest,
+    ChatMessage,
+    RequestBody,
+)
 from kvpilot.server.submit import BreakpointSpec
 
 MAX_BREAKPOINTS = 4
@@ -156,7 +162,7 @@ class MessagesRequest(RequestBody):
     metadata: Metadata | None = None
     cache_control: CacheControl | None = None  # a breakpoint on the last block
     # kvpilot's extras, as on the OpenAI routes
-    session_id: StrictStr | None = Field(None, min_length=1, max_length=128)
+    session_id: StrictStr | None = Field(None, pattern=SESSION_ID_PATTERN)
     expected_tool_wait_s: StrictFloat | None = Field(
         None, ge=0.0, le=MAX_WAIT_S, allow_inf_nan=False
     )

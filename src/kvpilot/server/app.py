@@ -6,7 +6,9 @@ Every error leaves as the OpenAI error body ``{"error": {"message", "type", "par
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import math
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
@@ -17,7 +19,14 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvpilot.engine import Engine
-from kvpilot.errors import InvalidRequest, KvpilotError, PromptTooLong
+from kvpilot.errors import (
+    InvalidRequest,
+    KvpilotError,
+    PromptTooLong,
+    SessionBusy,
+    SessionNotFound,
+    SessionQuotaExceeded,
+)
 from kvpilot.server import completions_api, health, messages_api, sessions_api, usage_api
 from kvpilot.server.anthropic_protocol import anthropic_error_body, is_anthropic_route
 from kvpilot.server.async_engine import AsyncEngine
@@ -27,6 +36,9 @@ from kvpilot.server.metrics import ServerMetrics
 from kvpilot.server.ops import OpsConfig
 from kvpilot.server.prompt_cache import PromptCache, PromptCacheConfig
 from kvpilot.server.protocol import ApiError, ModelCard, ModelList, error_body
+from kvpilot.server.registry_store import RegistryStore
+from kvpilot.server.session_ops import load_registry, run_expiry
+from kvpilot.server.session_registry import SessionRegistry
 from kvpilot.server.state import ServerState, get_state, get_tenant
 from kvpilot.server.tenancy import ApiKeys
 from kvpilot.server.tokenization import Tokenization
@@ -52,6 +64,7 @@ def create_app(
         engine, on_iteration=metrics.observe, on_abort=metrics.requests_aborted.inc
     )
     metrics.registry.register(FaultCollector(async_engine))
+    registry, registry_store = _session_registry(engine, limits)
     state = ServerState(
         engine=async_engine,
         model_name=model_name,
@@ -63,17 +76,23 @@ def create_app(
         options=dict(options or {}),
         prompt_cache=cache,
         ops=ops or OpsConfig(),
+        sessions=registry,
+        registry_store=registry_store,
     )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async_engine.start()
         async_engine.call_blocking(metrics.observe)
+        expiry = asyncio.create_task(run_expiry(state))
         try:
             yield
         finally:
+            expiry.cancel()
             async_engine.shutdown()  # also closes the engine (copiers, disk tier)
             state.tokenization.close()
+            if state.registry_store is not None:
+                state.registry_store.close()
             cache.close()
 
     app = FastAPI(title="kvpilot", lifespan=lifespan)
@@ -107,6 +126,25 @@ def _install_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
         return reply(exc.status, exc.body(), request)
 
+    @app.exception_handler(SessionNotFound)
+    async def session_not_found(request: Request, exc: SessionNotFound) -> JSONResponse:
+        body = error_body(str(exc), "not_found_error", "session_id", "session_not_found")
+        return reply(404, body, request)
+
+    @app.exception_handler(SessionBusy)
+    async def session_busy(request: Request, exc: SessionBusy) -> JSONResponse:
+        body = error_body(str(exc), "conflict_error", "session_id", "session_busy")
+        return reply(409, body, request)
+
+    @app.exception_handler(SessionQuotaExceeded)
+    async def too_many_sessions(request: Request, exc: SessionQuotaExceeded) -> JSONResponse:
+        body = error_body(str(exc), "rate_limit_error", code="too_many_sessions")
+        response = reply(429, body, request)
+        retry = getattr(exc, "retry_after_s", None)
+        if retry is not None:
+            response.headers["Retry-After"] = str(max(1, math.ceil(retry)))
+        return response
+
     @app.exception_handler(InvalidRequest)
     async def invalid_request(request: Request, exc: InvalidRequest) -> JSONResponse:
         code = "context_length_exceeded" if isinstance(exc, PromptTooLong) else None
@@ -139,6 +177,26 @@ def _install_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
             error_body(f"internal error: {type(exc).__name__}: {exc}", "server_error"),
             request,
         )
+
+
+def _session_registry(
+    engine: Engine, limits: ServerLimits
+) -> tuple[SessionRegistry, RegistryStore | None]:
+    """The registry, persisted next to the engine's session store when there is a disk tier
+    (its records come back after a restart)."""
+    store = None
+    sessions = engine.offload.session_store
+    if sessions is not None:
+        store = RegistryStore(sessions.path.parent)
+    registry = SessionRegistry(
+        max_per_bucket=limits.max_sessions_per_tenant,
+        ttl_s=limits.session_ttl_s,
+        on_change=store.save if store is not None else None,
+        on_remove=store.delete if store is not None else None,
+    )
+    if store is not None:
+        load_registry(registry, store.load())
+    return registry, store
 
 
 def _describe_validation(exc: RequestValidationError) -> tuple[str, str | None]:

@@ -26,7 +26,8 @@ from kvpilot.server.responses import (
     completion_response,
     finish,
 )
-from kvpilot.server.state import ServerState, authorization, get_state, get_tenant
+from kvpilot.server.session_ops import engine_salt, resolve
+from kvpilot.server.state import ServerState, authorization, client_address, get_state, get_tenant
 from kvpilot.server.streaming import EventStream, events
 from kvpilot.server.submit import (
     BreakpointSpec,
@@ -95,7 +96,7 @@ def break_group(tenant: str | None, body: GenerationRequest) -> tuple[str, ...] 
     """Whose previous request a request is compared with: its session's, or its
     ``prompt_cache_key`` group's (per tenant)."""
     if body.session_id is not None:
-        return ("session", body.session_id)
+        return ("session", tenant or "", body.session_id)
     if body.prompt_cache_key is not None:
         return ("key", tenant or "", body.prompt_cache_key)
     return None
@@ -111,7 +112,11 @@ async def start_call(
     requested = (
         body.requested_max_tokens if isinstance(body, ChatCompletionRequest) else body.max_tokens
     )
-    session = state.sessions.get(body.session_id, tenant) if body.session_id else None
+    session = None
+    if body.session_id is not None:  # created on first use
+        client = client_address(http)
+        salt_in = body.cache_salt
+        session = resolve(state, tenant, client, body.session_id, create=True, salt=salt_in)
     if session is not None:
         if body.n != 1:
             raise ApiError(
@@ -128,17 +133,18 @@ async def start_call(
         raise ApiError(
             400,
             "expected_tool_wait_s and tool pause a session when its turn ends: send them "
-            "with a session_id (POST /v1/sessions to create one)",
+            "with a session_id (any id of yours: the session is created on first use)",
             param="expected_tool_wait_s" if body.expected_tool_wait_s is not None else "tool",
         )
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}"
     spec = (
         SessionSpec(
-            session.session_id,
+            session.engine_id,
             body.session_history,
             list(session.messages),
             list(session.opening_tokens),
             has_history=bool(session.opening_tokens),
+            salt=engine_salt(session),
             expected_tool_wait_s=body.expected_tool_wait_s,
             tool=body.tool,
         )
@@ -174,7 +180,14 @@ async def start_call(
         keep_prompt_ids=body.return_token_ids,
         ideal=state.metrics.ideal,
     )
-    stream, submitted = await state.engine.submit(add)
+    if session is not None:
+        session.busy += 1  # until `release`: an active session never expires
+    try:
+        stream, submitted = await state.engine.submit(add)
+    except BaseException:
+        if session is not None:
+            session.busy -= 1
+        raise
     if session is not None:
         if submitted.conversation is not None:
             session.messages = list(submitted.conversation)

@@ -17,11 +17,16 @@ class ServerLimits:
     max_n: int = 8
     max_sessions_per_tenant: int = 256
     max_body_bytes: int = 4 << 20
+    session_ttl_s: float = 3600.0  # sessions idle this long expire (--session-ttl)
 
     def __post_init__(self) -> None:
         for name in ("max_tokens_limit", "max_n", "max_sessions_per_tenant", "max_body_bytes"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if not 0 < self.session_ttl_s <= 30 * 86400:
+            raise ConfigError(
+                f"--session-ttl must be in (0, 30 days] seconds, got {self.session_ttl_s}"
+            )
 
     def check_n(self, n: int) -> None:
         if n > self.max_n:

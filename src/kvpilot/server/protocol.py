@@ -26,6 +26,9 @@ from pydantic import (
 
 from kvpilot.policy.breakeven import MAX_WAIT_S
 
+# Session ids: the client's own (created on first use) or the server's; scoped per tenant.
+SESSION_ID_PATTERN = r"^[A-Za-z0-9._:-]{1,128}$"
+
 ErrorType = Literal[
     "invalid_request_error",
     "authentication_error",
@@ -136,7 +139,7 @@ class GenerationRequest(RequestBody):
     stream_options: StreamOptions | None = None
     ignore_eos: StrictBool = False
     user: StrictStr | None = None
-    session_id: StrictStr | None = Field(None, min_length=1, max_length=128)
+    session_id: StrictStr | None = Field(None, pattern=SESSION_ID_PATTERN)
     session_history: SessionHistory = "auto"
     expected_tool_wait_s: StrictFloat | None = Field(
         None, ge=0.0, le=MAX_WAIT_S, allow_inf_nan=False
@@ -235,6 +238,7 @@ class ChatCompletionRequest(GenerationRequest):
 class CreateSessionRequest(RequestBody):
     model_config = ConfigDict(extra="forbid")
     cache_salt: StrictStr | None = Field(None, min_length=1, max_length=256)
+    session_id: StrictStr | None = Field(None, pattern=SESSION_ID_PATTERN)  # yours, or made up
 
 
 class ForkSessionRequest(RequestBody):

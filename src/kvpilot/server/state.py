@@ -13,6 +13,7 @@ from kvpilot.server.limits import ServerLimits
 from kvpilot.server.metrics import ServerMetrics
 from kvpilot.server.ops import OpsConfig
 from kvpilot.server.prompt_cache import PromptCache
+from kvpilot.server.registry_store import RegistryStore
 from kvpilot.server.session_registry import SessionRegistry
 from kvpilot.server.tenancy import ApiKeys
 from kvpilot.server.tokenization import Tokenization
@@ -34,6 +35,7 @@ class ServerState:
     created: int = field(default_factory=lambda: int(time.time()))
     ops: OpsConfig = field(default_factory=OpsConfig)
     draining: bool = False  # shutting down: /ready fails, new requests get 503
+    registry_store: RegistryStore | None = None  # the session registry on disk
 
 
 def get_state(request: Request) -> ServerState:
@@ -47,6 +49,11 @@ def authorization(request: Request) -> str | None:
     if header is None and (key := request.headers.get("x-api-key")):
         header = f"Bearer {key}"
     return header
+
+
+def client_address(request: Request) -> str | None:
+    """The client's address: anonymous clients' session quota is counted per address."""
+    return request.client.host if request.client is not None else None
 
 
 def get_tenant(request: Request) -> str | None:

@@ -16,10 +16,10 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from kvpilot.engine import Engine, SamplingParams
-from kvpilot.errors import InvalidRequest
+from kvpilot.errors import InvalidRequest, SessionBusy
 from kvpilot.server.chat_render import ChatRenderer
 from kvpilot.server.limits import resolve_max_tokens
-from kvpilot.server.protocol import ApiError, SessionHistory
+from kvpilot.server.protocol import SessionHistory
 from kvpilot.server.turns import (
     chat_resends_history,
     common_prefix_len,
@@ -62,6 +62,7 @@ class SessionSpec:
     conversation: list[dict[str, Any]]  # the chat conversation as of the session's last turn
     opening_tokens: list[int]
     has_history: bool = False  # the session has had a turn (as the server saw it)
+    salt: str | None = None  # the engine salt the session is opened with on first use
     # Either set: the turn ends on a tool call, and the engine pauses the session then.
     expected_tool_wait_s: float | None = None
     tool: str | None = None
@@ -237,16 +238,12 @@ def request_adder(
 
     def _add_turn(engine: Engine, spec: SessionSpec) -> tuple[str, Submitted]:
         current = engine.sessions.get(spec.session_id)
-        if current is None:
-            raise ApiError(404, f"session {spec.session_id!r} was closed", type="not_found_error")
+        if current is None:  # first use, or first since a restart (restored from disk)
+            current = engine.open_session(salt=spec.salt, session_id=spec.session_id)
         if current.active_request is not None:
-            raise ApiError(
-                409,
+            raise SessionBusy(
                 f"session {spec.session_id} is still running turn {current.active_request}: "
-                "wait for it to finish, or fork the session to run turns in parallel",
-                type="conflict_error",
-                param="session_id",
-                code="session_busy",
+                "wait for it to finish, or fork the session to run turns in parallel"
             )
         history = current.tokens
         conversation = tokenized.conversation
