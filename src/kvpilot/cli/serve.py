@@ -168,7 +168,12 @@ def serve(
         int, typer.Option(help="Largest max_tokens a request may ask for.")
     ] = 4096,
     max_n: Annotated[int, typer.Option(help="Largest n a request may ask for.")] = 8,
-    max_sessions_per_tenant: Annotated[int, typer.Option(help="Open sessions per tenant.")] = 256,
+    max_sessions_per_tenant: Annotated[
+        int, typer.Option(help="Open sessions per tenant (per client address without keys).")
+    ] = 256,
+    session_ttl: Annotated[
+        float, typer.Option(help="Seconds an idle session lives before it expires.")
+    ] = 3600.0,
     max_body_bytes: Annotated[int, typer.Option(help="Largest request body, bytes.")] = 4 << 20,
     poison_freed_blocks: Annotated[
         bool,
@@ -251,7 +256,9 @@ def serve(
             model=model,
             engine=config,
             api_keys=api_keys,
-            limits=_limits(max_tokens_limit, max_n, max_sessions_per_tenant, max_body_bytes),
+            limits=_limits(
+                max_tokens_limit, max_n, max_sessions_per_tenant, max_body_bytes, session_ttl
+            ),
             prices=prices,
             usage_dir=usage_dir,
             prompt_cache_min_tokens=prompt_cache_min_tokens,
@@ -288,7 +295,9 @@ def serve(
     GracefulServer(config, on_drain=drain_hook(app)).run()
 
 
-def _limits(max_tokens: int, max_n: int, sessions: int, body_bytes: int) -> ServerLimits:
+def _limits(
+    max_tokens: int, max_n: int, sessions: int, body_bytes: int, session_ttl_s: float
+) -> ServerLimits:
     from kvpilot.server.limits import ServerLimits
 
     return ServerLimits(
@@ -296,6 +305,7 @@ def _limits(max_tokens: int, max_n: int, sessions: int, body_bytes: int) -> Serv
         max_n=max_n,
         max_sessions_per_tenant=sessions,
         max_body_bytes=body_bytes,
+        session_ttl_s=session_ttl_s,
     )
 
 
