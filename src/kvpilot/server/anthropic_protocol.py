@@ -232,8 +232,14 @@ class MessagesRequest(RequestBody):
                 marks.append(BreakpointSpec(msgs, all_tools, TTLS_S[b.cache_control.ttl], where))
         if self.cache_control is not None:  # the last block of the last message
             i = len(self.messages) - 1
-            j = len(self.messages[i].blocks()) - 1
-            if self.messages[i].blocks()[j].cache_control is None:
+            blocks = self.messages[i].blocks()
+            if not blocks:
+                raise ApiError(
+                    400,
+                    "cache_control marks the last content block, but the last message has none",
+                    param="cache_control",
+                )
+            if blocks[-1].cache_control is None:
                 msgs = [*head, *(x.template_message() for x in self.messages)]
                 marks.append(
                     BreakpointSpec(msgs, all_tools, TTLS_S[self.cache_control.ttl], "cache_control")
