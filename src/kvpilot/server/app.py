@@ -63,8 +63,11 @@ def create_app(
     async_engine = AsyncEngine(
         engine, on_iteration=metrics.observe, on_abort=metrics.requests_aborted.inc
     )
-    metrics.registry.register(FaultCollector(async_engine))
     registry, registry_store = _session_registry(engine, limits)
+    others = {"usage": cache.ledger.faults}
+    if registry_store is not None:
+        others["registry"] = registry_store.faults
+    metrics.registry.register(FaultCollector(async_engine, others))
     state = ServerState(
         engine=async_engine,
         model_name=model_name,

@@ -13,11 +13,13 @@ from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from kvpilot.server.async_engine import AsyncEngine
+from kvpilot.store.faults import FaultEpisodes
 
 
 class FaultCollector(Collector):
-    def __init__(self, engine: AsyncEngine) -> None:
+    def __init__(self, engine: AsyncEngine, others: dict[str, FaultEpisodes] | None = None) -> None:
         self.engine = engine
+        self.others = others or {}  # more stores, by what they hold (the usage ledger, ...)
 
     def collect(self) -> Iterator[Metric]:
         offload = self.engine.engine.offload
@@ -29,6 +31,8 @@ class FaultCollector(Collector):
         disk, sessions = offload.disk, offload.session_store
         writes.add_metric(["blocks"], disk.faults.failures if disk is not None else 0)
         writes.add_metric(["sessions"], sessions.faults.failures if sessions is not None else 0)
+        for what, faults in self.others.items():
+            writes.add_metric([what], faults.failures)
         yield writes
         yield CounterMetricFamily(
             "kvpilot_engine_step_faults",
