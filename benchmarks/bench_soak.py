@@ -149,7 +149,7 @@ def streamer(url: str, stop: threading.Event, tally: Tally) -> None:
             time.sleep(0.2)
 
 
-def chaos(url: str, disk: Path, stop: threading.Event, tally: Tally, full_disk: bool) -> None:
+def chaos(url: str, disk: Path, stop: threading.Event, tally: Tally, kinds: list[str]) -> None:
     rng = random.Random(7)
     http = httpx.Client(base_url=url, timeout=120)
     bad = [
@@ -159,7 +159,6 @@ def chaos(url: str, disk: Path, stop: threading.Event, tally: Tally, full_disk: 
         b'{"prompt": "x", "temperature": 1e400}',
         b'{"messages": [{"role": "user", "content": "\\udfff"}]}',
     ]
-    kinds = ["bad", "disconnect", "corrupt", "big"] + (["full"] if full_disk else [])
     while not stop.wait(rng.uniform(0.5, 2.0)):
         kind = rng.choice(kinds)
         tally.faults[kind] += 1
@@ -237,7 +236,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     root = Path(tempfile.mkdtemp(prefix="kvpilot-soak-"))
     disk = root / "disk"
     disk.mkdir()
-    full_disk = mount_tmpfs(disk, "24m")
+    kinds = [k for k in args.faults.split(",") if k]
+    full_disk = "full" in kinds and mount_tmpfs(disk, "24m")
+    if not full_disk and "full" in kinds:
+        kinds.remove("full")
     serve_args = ["--kv-blocks", "192", "--disk-dir", str(disk), "--disk-blocks", "256"]
     serve_args += ["--policy", "breakeven", "--poison-freed-blocks", "--max-body-bytes"]
     serve_args += [str(8 << 20), "--shutdown-timeout", "5"]
@@ -255,7 +257,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 threads = [
                     threading.Thread(target=streamer, args=(server.base_url, stop, tally)),
                     threading.Thread(
-                        target=chaos, args=(server.base_url, disk, stop, tally, full_disk)
+                        target=chaos, args=(server.base_url, disk, stop, tally, kinds)
                     ),
                 ]
 
@@ -317,6 +319,11 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=180.0, help="seconds in all")
     parser.add_argument("--sessions", type=int, default=6)
     parser.add_argument("--restarts", type=int, default=2, help="kill -9 + restart count")
+    parser.add_argument(
+        "--faults",
+        default="bad,disconnect,corrupt,big,full",
+        help="faults the chaos thread picks from (comma-separated)",
+    )
     print(json.dumps(run(parser.parse_args())))
 
 
