@@ -103,6 +103,7 @@ def test_the_serve_command_builds_the_app_and_runs_uvicorn(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     calls: dict[str, Any] = {}
+
     def run(server: Any) -> None:  # uvicorn, as `kvpilot serve` runs it, not started
         config = server.config
         calls.update(app=config.app, host=config.host, port=config.port)

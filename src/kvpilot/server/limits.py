@@ -40,16 +40,6 @@ class ServerLimits:
                 param=param,
             )
 
-    def check_sessions(self, open_sessions: int, wanted: int = 1) -> None:
-        if open_sessions + wanted > self.max_sessions_per_tenant:
-            raise ApiError(
-                429,
-                f"this tenant has {open_sessions} open sessions and the limit is "
-                f"{self.max_sessions_per_tenant}: close one with DELETE /v1/sessions/{{id}}",
-                type="rate_limit_error",
-                code="too_many_sessions",
-            )
-
 
 def resolve_max_tokens(
     requested: int | None, prompt_tokens: int, max_model_len: int, default: int

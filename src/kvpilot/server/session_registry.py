@@ -143,9 +143,6 @@ class SessionRegistry:
     def new_id() -> str:
         return f"sess-{secrets.token_hex(8)}"
 
-    def count(self, bucket: Bucket) -> int:
-        return self._per_bucket[bucket]
-
     def check_quota(self, bucket: Bucket, wanted: int = 1) -> None:
         """`TooManySessions` unless ``wanted`` more sessions fit the bucket's quota."""
         open_now = self._per_bucket[bucket]
