@@ -116,7 +116,8 @@ async def start_call(
     if body.session_id is not None:  # created on first use
         client = client_address(http)
         salt_in = body.cache_salt
-        session = resolve(state, tenant, client, body.session_id, create=True, salt=salt_in)
+        create = body.session_create
+        session = resolve(state, tenant, client, body.session_id, create=create, salt=salt_in)
     if session is not None:
         if body.n != 1:
             raise ApiError(

@@ -141,6 +141,9 @@ class GenerationRequest(RequestBody):
     user: StrictStr | None = None
     session_id: StrictStr | None = Field(None, pattern=SESSION_ID_PATTERN)
     session_history: SessionHistory = "auto"
+    # A session_id names the caller's session, created on first use; with False a missing
+    # session is a 404 instead (a router that must know when a replica lost one).
+    session_create: StrictBool = True
     expected_tool_wait_s: StrictFloat | None = Field(
         None, ge=0.0, le=MAX_WAIT_S, allow_inf_nan=False
     )
