@@ -29,8 +29,8 @@ class FaultCollector(Collector):
             labels=["what"],
         )
         disk, sessions = offload.disk, offload.session_store
-        writes.add_metric(["blocks"], disk.faults.failures if disk is not None else 0)
-        writes.add_metric(["sessions"], sessions.faults.failures if sessions is not None else 0)
+        writes.add_metric(["blocks"], _failures(disk))
+        writes.add_metric(["sessions"], _failures(sessions))
         for what, faults in self.others.items():
             writes.add_metric([what], faults.failures)
         yield writes
@@ -44,3 +44,9 @@ class FaultCollector(Collector):
             "Times the engine loop died and its supervisor restarted it",
             value=self.engine.restarts,
         )
+
+
+def _failures(store: object) -> int:
+    """A store's failed writes (0 without a store, or for one that keeps no count)."""
+    faults = getattr(store, "faults", None)
+    return faults.failures if isinstance(faults, FaultEpisodes) else 0
