@@ -339,7 +339,7 @@ def test_volatile_head_reported_in_header_metric_and_session(
     logged = [
         json.loads(r.getMessage()) for r in caplog.records if r.name == "kvpilot.prefix_break"
     ]
-    assert [x["cause"] for x in logged if x["group"] == ["session", sid]] == [
+    assert [x["cause"] for x in logged if x["group"] == ["session", "alice", sid]] == [
         "volatile_field_at_head"
     ]
     assert logged[-1]["event"] == "prefix_break" and logged[-1]["field"] == "system"

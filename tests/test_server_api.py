@@ -369,10 +369,14 @@ def test_a_deleted_session_is_gone(srv: Harness) -> None:
 def test_sessions_belong_to_their_tenant(srv: Harness) -> None:
     session = srv.new_session(ALICE)
     assert srv.http("GET", f"/v1/sessions/{session}", BOB).status_code == 404
-    with pytest.raises(openai.NotFoundError):
-        chat_turn_as(srv, BOB, session)
     assert srv.http("DELETE", f"/v1/sessions/{session}", BOB).status_code == 404
-    assert srv.http("GET", f"/v1/sessions/{session}", ALICE).status_code == 200
+    chat_turn_as(srv, ALICE, session)
+    # Ids are scoped per tenant: Bob naming the same id gets a session of his own.
+    bob = chat_turn_as(srv, BOB, session)
+    assert bob.usage.prompt_tokens_details.cached_tokens == 0
+    assert srv.http("GET", f"/v1/sessions/{session}", ALICE).json()["turns"] == 1
+    assert srv.http("GET", f"/v1/sessions/{session}", BOB).json()["turns"] == 1
+    srv.http("DELETE", f"/v1/sessions/{session}", BOB)
 
 
 def chat_turn_as(srv: Harness, key: str, session: str) -> Any:
@@ -486,7 +490,8 @@ BAD_REQUESTS: list[tuple[str, str, Any, int]] = [
     ("prompt + max_tokens over the context", "/v1/completions",
      {"prompt": "x" * (MAX_MODEL_LEN - 10), "max_tokens": 50}, 400),
     ("unknown model", "/v1/completions", {"model": "gpt-9", "prompt": "x"}, 404),
-    ("unknown session", "/v1/completions", {"prompt": "x", "session_id": "sess-nope"}, 404),
+    ("invalid session id", "/v1/completions", {"prompt": "x", "session_id": "a b/c"}, 400),
+    ("session id too long", "/v1/completions", {"prompt": "x", "session_id": "s" * 129}, 400),
     ("no messages", "/v1/chat/completions", {"messages": []}, 400),
     ("unknown role", "/v1/chat/completions",
      {"messages": [{"role": "wizard", "content": "x"}]}, 400),

@@ -103,13 +103,19 @@ def test_the_serve_command_builds_the_app_and_runs_uvicorn(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     calls: dict[str, Any] = {}
-    monkeypatch.setattr("uvicorn.run", lambda app, **kw: calls.update(app=app, **kw))
+
+    def run(server: Any) -> None:  # uvicorn, as `kvpilot serve` runs it, not started
+        config = server.config
+        calls.update(app=config.app, host=config.host, port=config.port)
+        calls["grace_s"] = config.timeout_graceful_shutdown
+
+    monkeypatch.setattr("kvpilot.server.ops.GracefulServer.run", run)
     keys = tmp_path / "keys.txt"
     keys.write_text("k1 alice\n")
     args = ["--kv-memory", "4MiB", "--port", "8123", "--api-keys", str(keys), "--max-n", "2"]
     result = CliRunner().invoke(cli(), args)
     assert result.exit_code == 0, result.output
-    assert calls["port"] == 8123 and calls["host"] == "127.0.0.1"
+    assert calls["port"] == 8123 and calls["host"] == "127.0.0.1" and calls["grace_s"] == 30
     state = calls["app"].state.kvpilot
     assert state.api_keys.tenants == {"alice"} and state.limits.max_n == 2
     state.engine.shutdown()

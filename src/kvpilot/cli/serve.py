@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +34,7 @@ if TYPE_CHECKING:  # FastAPI, the server and the engine load only when `serve` r
     from kvpilot.engine.config import EngineConfig
     from kvpilot.server.banner import StartupBanner
     from kvpilot.server.limits import ServerLimits
+    from kvpilot.server.ops import OpsConfig
     from kvpilot.server.prompt_cache import PromptCacheConfig
 
 
@@ -60,8 +62,11 @@ class ServeOptions:
     prices: Path | None = None
     usage_dir: Path | None = None
     prompt_cache_min_tokens: int = 1024
+    metrics_key: str | None = None
+    shutdown_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
+        self.ops()  # --metrics-key and --shutdown-timeout are checked with everything else
         if self.prompt_cache_min_tokens < 1:
             raise ConfigError("--prompt-cache-min-tokens must be at least 1")
         disk_dir = self.disk_dir
@@ -77,6 +82,11 @@ class ServeOptions:
     def disk_dir(self) -> Path | None:
         folder = self.engine.runner.tiers.disk_dir
         return None if folder is None else Path(folder)
+
+    def ops(self) -> OpsConfig:
+        from kvpilot.server.ops import OpsConfig
+
+        return OpsConfig(metrics_key=self.metrics_key, shutdown_timeout_s=self.shutdown_timeout_s)
 
 
 def build_app(options: ServeOptions, banner: StartupBanner | None = None) -> FastAPI:
@@ -100,6 +110,7 @@ def build_app(options: ServeOptions, banner: StartupBanner | None = None) -> Fas
         api_keys=keys,
         options=options.engine.flat(changed_only=True),
         prompt_cache=prompt_cache_config(options),
+        ops=options.ops(),
     )
 
 
@@ -157,7 +168,12 @@ def serve(
         int, typer.Option(help="Largest max_tokens a request may ask for.")
     ] = 4096,
     max_n: Annotated[int, typer.Option(help="Largest n a request may ask for.")] = 8,
-    max_sessions_per_tenant: Annotated[int, typer.Option(help="Open sessions per tenant.")] = 256,
+    max_sessions_per_tenant: Annotated[
+        int, typer.Option(help="Open sessions per tenant (per client address without keys).")
+    ] = 256,
+    session_ttl: Annotated[
+        float, typer.Option(help="Seconds an idle session lives before it expires.")
+    ] = 3600.0,
     max_body_bytes: Annotated[int, typer.Option(help="Largest request body, bytes.")] = 4 << 20,
     poison_freed_blocks: Annotated[
         bool,
@@ -189,6 +205,14 @@ def serve(
     prompt_cache_min_tokens: Annotated[
         int, typer.Option(help="Shortest prefix a cache_control breakpoint caches, tokens.")
     ] = 1024,
+    metrics_key: Annotated[
+        str | None,
+        typer.Option(help="Admin key for /metrics (with --api-keys; else loopback only)."),
+    ] = None,
+    shutdown_timeout: Annotated[
+        float,
+        typer.Option(help="Seconds in-flight requests get on SIGTERM/SIGINT before abort."),
+    ] = 30.0,
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API, with agent sessions and /metrics.
 
@@ -232,10 +256,14 @@ def serve(
             model=model,
             engine=config,
             api_keys=api_keys,
-            limits=_limits(max_tokens_limit, max_n, max_sessions_per_tenant, max_body_bytes),
+            limits=_limits(
+                max_tokens_limit, max_n, max_sessions_per_tenant, max_body_bytes, session_ttl
+            ),
             prices=prices,
             usage_dir=usage_dir,
             prompt_cache_min_tokens=prompt_cache_min_tokens,
+            metrics_key=metrics_key,
+            shutdown_timeout_s=shutdown_timeout,
         )
     except KvpilotError as exc:
         typer.echo(f"error: {exc}", err=True)
@@ -254,11 +282,22 @@ def serve(
         raise typer.Exit(code=2) from exc
     import uvicorn
 
+    from kvpilot.server.ops import GracefulServer, drain_hook
+
     banner.listening(f"http://{host}:{port}")
-    uvicorn.run(app, host=host, port=port, log_level="info")
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level="info",
+        timeout_graceful_shutdown=math.ceil(options.shutdown_timeout_s),
+    )
+    GracefulServer(config, on_drain=drain_hook(app)).run()
 
 
-def _limits(max_tokens: int, max_n: int, sessions: int, body_bytes: int) -> ServerLimits:
+def _limits(
+    max_tokens: int, max_n: int, sessions: int, body_bytes: int, session_ttl_s: float
+) -> ServerLimits:
     from kvpilot.server.limits import ServerLimits
 
     return ServerLimits(
@@ -266,6 +305,7 @@ def _limits(max_tokens: int, max_n: int, sessions: int, body_bytes: int) -> Serv
         max_n=max_n,
         max_sessions_per_tenant=sessions,
         max_body_bytes=body_bytes,
+        session_ttl_s=session_ttl_s,
     )
 
 

@@ -25,7 +25,7 @@ from kvpilot.engine.tier_stats import PauseRecord, PauseState, TierStats
 from kvpilot.errors import InvalidRequest, require
 from kvpilot.memory import KVManager, RadixNode, Tier, Trajectory
 from kvpilot.memory.residency import Residency
-from kvpilot.policy.breakeven import PauseAction, PauseDecision, PauseInputs
+from kvpilot.policy.breakeven import PauseAction, PauseDecision, PauseInputs, clamp_wait_s
 from kvpilot.policy.meters import PrefillRateMeter, WaitPredictor
 from kvpilot.policy.pause import PausePolicy, make_pause_policy
 
@@ -126,6 +126,7 @@ class OffloadManager:
             wait, source = self.waits.predict(tool)
         else:
             wait, source = float(expected_wait_s), "hint from the caller"
+        wait = clamp_wait_s(wait)  # timers and figures stay finite whatever the caller said
         nodes = self.exclusive_device_nodes(traj)
         inputs = self._inputs(traj, nodes, wait, tool)
         decision = self._feasible(self.policy.decide(inputs))
@@ -174,7 +175,7 @@ class OffloadManager:
             kv_bytes=float(blocks * self.block_bytes),
             num_tokens=max(tokens, 0),
             expected_wait_s=wait,
-            device_host_bw_bytes_s=mover.link_bw(),
+            device_host_bw_bytes_s=mover.device_link_bw(),
             host_disk_bw_bytes_s=mover.disk_bw(),
             prefill_tokens_per_s=self.prefill.tokens_per_s(
                 len(traj.tokens), DEFAULT_PREFILL_TOKENS_PER_S
@@ -251,7 +252,7 @@ class OffloadManager:
             self.mover.hint_disk(traj)
             reload_s = record.decision.disk_reload_s
         record.state = PauseState.OFFLOADED
-        if self.prefetch_enabled:
+        if self.prefetch_enabled and math.isfinite(reload_s):
             record.prefetch_at = record.expected_return - 2 * reload_s - 0.005
             prefetch = lambda: self._prefetch(session)  # noqa: E731
             self.timers.at(record.prefetch_at, session.session_id, prefetch)

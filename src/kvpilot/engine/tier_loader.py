@@ -96,7 +96,8 @@ class TierLoader:
                 job.prefetch = False
                 self.stats.prefetch_stalls += 1
             return Residency.LOADING
-        if not self.radix.cached_blocks(Tier.HOST) and traj.traj_id not in self.disk_hint:
+        on_disk = self.disk is not None and len(self.disk) > 0
+        if not self.radix.cached_blocks(Tier.HOST) and not on_disk:
             return Residency.READY  # nothing lives off the device: every admission's fast path
         buf = traj.token_array()
         tokens = buf[: max(len(buf) - 1, 0)]
@@ -163,7 +164,9 @@ class TierLoader:
     def _disk_probe(
         self, traj: Trajectory, anchor: RadixNode, matched: int, tokens: object
     ) -> tuple[list[bytes], list[int]]:
-        if self.disk is None or traj.traj_id not in self.disk_hint:
+        # Any request's prefix is looked up on disk by chained hash, not only paused or
+        # restored sessions': a client resending a history, after a restart too, finds it.
+        if self.disk is None:
             return [], []
         bs = self.kv.block_size
         toks = list(tokens)  # type: ignore[call-overload]

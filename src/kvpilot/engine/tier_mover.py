@@ -117,6 +117,13 @@ class TierMover:
             return 0.0
         return self.link.get(DEFAULT_LINK_BYTES_PER_S)
 
+    def device_link_bw(self) -> float:
+        """Device <-> host memory bandwidth, which every move off the device crosses (a move
+        to disk too, through staging memory, whether or not there is a host tier)."""
+        if self.transport is None:
+            return 0.0
+        return self.link.get(DEFAULT_LINK_BYTES_PER_S)
+
     def disk_bw(self) -> float:
         """The disk store's own measure of its reads (one meter: the store's)."""
         if self.transport is None or self.disk is None:

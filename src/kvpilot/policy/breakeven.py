@@ -89,6 +89,17 @@ DEFAULT_THRESHOLDS = PauseThresholds()
 # the host, and recomputed 35% more than at 1.0.
 ENGINE_THRESHOLDS = PauseThresholds(device_plentiful_below=1.0)
 
+# The longest wait a pause is planned for (30 days): the API refuses longer hints, and the
+# policy code clamps whatever reaches it, so no timer or figure can overflow.
+MAX_WAIT_S = 30 * 86400.0
+
+
+def clamp_wait_s(wait_s: float) -> float:
+    """A wait in [0, MAX_WAIT_S] (NaN counts as 0)."""
+    if not wait_s >= 0.0:
+        return 0.0
+    return min(float(wait_s), MAX_WAIT_S)
+
 
 @dataclass(frozen=True, slots=True)
 class PauseInputs:

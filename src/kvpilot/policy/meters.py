@@ -10,6 +10,8 @@ import bisect
 import statistics
 from collections import defaultdict, deque
 
+from kvpilot.policy.breakeven import MAX_WAIT_S
+
 
 class RateMeter:
     """An exponential moving average of a rate (bytes/s, tokens/s) from (amount, seconds).
@@ -71,8 +73,9 @@ class WaitPredictor:
         self.all: deque[float] = deque(maxlen=window)
 
     def observe(self, tool: str | None, wait_s: float) -> None:
-        if wait_s < 0:
+        if not wait_s >= 0:
             return
+        wait_s = min(wait_s, MAX_WAIT_S)
         if tool:
             self.by_tool[tool].append(wait_s)
         self.all.append(wait_s)

@@ -12,6 +12,7 @@ Calls come from the server's event loop and from tests; a lock keeps them one at
 from __future__ import annotations
 
 import json
+import logging
 import sqlite3
 import threading
 from collections.abc import Mapping
@@ -20,6 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from kvpilot.promptcache.prices import PriceTable
+from kvpilot.store.faults import DISK_FAULTS, FaultEpisodes
+
+log = logging.getLogger(__name__)
 
 LEDGER_FILE = "usage.sqlite"
 ANONYMOUS = ""  # the tenant and key of a server without API keys
@@ -106,6 +110,9 @@ class UsageLedger:
             ":memory:" if self.path is None else str(self.path), check_same_thread=False
         )
         self._lock = threading.Lock()
+        # A full or failing disk loses ledger rows (counted, logged once per episode), never
+        # a request.
+        self.faults = FaultEpisodes(f"writing the usage ledger {self.path or '(memory)'}", log)
         with self._lock, self._db:
             self._db.execute(_SCHEMA)
 
@@ -131,6 +138,15 @@ class UsageLedger:
         )
         hour = int(now_s // 3600 * 3600)
         key = (hour, tenant or ANONYMOUS, api_key or ANONYMOUS, model)
+        try:
+            self._add(key, usage, cost)
+        except DISK_FAULTS as exc:
+            self.faults.failed(exc)
+            return cost
+        self.faults.succeeded()
+        return cost
+
+    def _add(self, key: tuple[int, str, str, str], usage: RequestUsage, cost: float) -> None:
         with self._lock, self._db:
             row = self._db.execute(
                 "SELECT cache_write_by_ttl FROM usage "
@@ -162,7 +178,6 @@ class UsageLedger:
                     cost,
                 ),
             )
-        return cost
 
     def query(self, tenant: str | None, start_s: float, end_s: float) -> list[UsageRow]:
         """The tenant's rows whose hour overlaps [start_s, end_s), oldest first."""

@@ -27,7 +27,14 @@ from pydantic import (
     StrictStr,
 )
 
-from kvpilot.server.protocol import ApiError, ChatCompletionRequest, ChatMessage
+from kvpilot.policy.breakeven import MAX_WAIT_S
+from kvpilot.server.protocol import (
+    SESSION_ID_PATTERN,
+    ApiError,
+    ChatCompletionRequest,
+    ChatMessage,
+    RequestBody,
+)
 from kvpilot.server.submit import BreakpointSpec
 
 MAX_BREAKPOINTS = 4
@@ -138,7 +145,7 @@ class Metadata(BaseModel):
     user_id: StrictStr | None = None
 
 
-class MessagesRequest(BaseModel):
+class MessagesRequest(RequestBody):
     model_config = ConfigDict(extra="forbid")
 
     model: StrictStr
@@ -155,8 +162,10 @@ class MessagesRequest(BaseModel):
     metadata: Metadata | None = None
     cache_control: CacheControl | None = None  # a breakpoint on the last block
     # kvpilot's extras, as on the OpenAI routes
-    session_id: StrictStr | None = Field(None, min_length=1, max_length=128)
-    expected_tool_wait_s: StrictFloat | None = Field(None, ge=0.0, allow_inf_nan=False)
+    session_id: StrictStr | None = Field(None, pattern=SESSION_ID_PATTERN)
+    expected_tool_wait_s: StrictFloat | None = Field(
+        None, ge=0.0, le=MAX_WAIT_S, allow_inf_nan=False
+    )
     tool: StrictStr | None = Field(None, max_length=256)
     prompt_cache_key: StrictStr | None = Field(None, min_length=1, max_length=256)
 
@@ -223,8 +232,14 @@ class MessagesRequest(BaseModel):
                 marks.append(BreakpointSpec(msgs, all_tools, TTLS_S[b.cache_control.ttl], where))
         if self.cache_control is not None:  # the last block of the last message
             i = len(self.messages) - 1
-            j = len(self.messages[i].blocks()) - 1
-            if self.messages[i].blocks()[j].cache_control is None:
+            blocks = self.messages[i].blocks()
+            if not blocks:
+                raise ApiError(
+                    400,
+                    "cache_control marks the last content block, but the last message has none",
+                    param="cache_control",
+                )
+            if blocks[-1].cache_control is None:
                 msgs = [*head, *(x.template_message() for x in self.messages)]
                 marks.append(
                     BreakpointSpec(msgs, all_tools, TTLS_S[self.cache_control.ttl], "cache_control")

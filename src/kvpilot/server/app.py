@@ -6,29 +6,42 @@ Every error leaves as the OpenAI error body ``{"error": {"message", "type", "par
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import math
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST
+from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvpilot.engine import Engine
-from kvpilot.errors import InvalidRequest, KvpilotError, PromptTooLong
-from kvpilot.server import completions_api, messages_api, sessions_api, usage_api
+from kvpilot.errors import (
+    InvalidRequest,
+    KvpilotError,
+    PromptTooLong,
+    SessionBusy,
+    SessionNotFound,
+    SessionQuotaExceeded,
+)
+from kvpilot.server import completions_api, health, messages_api, sessions_api, usage_api
 from kvpilot.server.anthropic_protocol import anthropic_error_body, is_anthropic_route
 from kvpilot.server.async_engine import AsyncEngine
+from kvpilot.server.fault_metrics import FaultCollector
 from kvpilot.server.limits import BodySizeLimit, ServerLimits
 from kvpilot.server.metrics import ServerMetrics
+from kvpilot.server.ops import OpsConfig
 from kvpilot.server.prompt_cache import PromptCache, PromptCacheConfig
 from kvpilot.server.protocol import ApiError, ModelCard, ModelList, error_body
+from kvpilot.server.registry_store import RegistryStore
+from kvpilot.server.session_ops import load_registry, run_expiry
+from kvpilot.server.session_registry import SessionRegistry
 from kvpilot.server.state import ServerState, get_state, get_tenant
 from kvpilot.server.tenancy import ApiKeys
-from kvpilot.server.tiers import describe_tiers
+from kvpilot.server.tokenization import Tokenization
 
 log = logging.getLogger("kvpilot.server")
 
@@ -41,6 +54,7 @@ def create_app(
     api_keys: ApiKeys | None = None,
     options: Mapping[str, Any] | None = None,
     prompt_cache: PromptCacheConfig | None = None,
+    ops: OpsConfig | None = None,
 ) -> FastAPI:
     """An app serving ``engine``; its engine thread runs while the app is up (lifespan)."""
     limits = limits or ServerLimits()
@@ -49,6 +63,11 @@ def create_app(
     async_engine = AsyncEngine(
         engine, on_iteration=metrics.observe, on_abort=metrics.requests_aborted.inc
     )
+    registry, registry_store = _session_registry(engine, limits)
+    others = {"usage": cache.ledger.faults}
+    if registry_store is not None:
+        others["registry"] = registry_store.faults
+    metrics.registry.register(FaultCollector(async_engine, others))
     state = ServerState(
         engine=async_engine,
         model_name=model_name,
@@ -56,18 +75,27 @@ def create_app(
         limits=limits,
         api_keys=api_keys or ApiKeys(),
         metrics=metrics,
+        tokenization=Tokenization(engine),
         options=dict(options or {}),
         prompt_cache=cache,
+        ops=ops or OpsConfig(),
+        sessions=registry,
+        registry_store=registry_store,
     )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async_engine.start()
         async_engine.call_blocking(metrics.observe)
+        expiry = asyncio.create_task(run_expiry(state))
         try:
             yield
         finally:
+            expiry.cancel()
             async_engine.shutdown()  # also closes the engine (copiers, disk tier)
+            state.tokenization.close()
+            if state.registry_store is not None:
+                state.registry_store.close()
             cache.close()
 
     app = FastAPI(title="kvpilot", lifespan=lifespan)
@@ -78,42 +106,13 @@ def create_app(
     app.include_router(sessions_api.router)
     app.include_router(messages_api.router)
     app.include_router(usage_api.router)
+    app.include_router(health.router)
 
     @app.get("/v1/models")
     async def models(request: Request, tenant: str | None = Depends(get_tenant)) -> dict:
         s = get_state(request)
         card = ModelCard(id=s.model_name, created=s.created, max_model_len=s.max_model_len)
         return ModelList(data=[card]).model_dump()
-
-    @app.get("/health")
-    async def health(request: Request) -> JSONResponse:
-        s = get_state(request)
-        snap = s.metrics.latest
-        ok = s.engine.running
-        body = {
-            "status": "ok" if ok else "error",
-            "model": s.model_name,
-            "engine": "running" if ok else s.engine.stop_reason(),
-            "requests": {"running": snap.running, "waiting": snap.waiting},
-            "sessions": len(s.sessions),
-            "kv": {
-                tier: {"blocks": t.num_blocks, "used": t.used_blocks, "cached": t.cached_blocks}
-                for tier, t in snap.tiers.items()
-            },
-            "tiers": describe_tiers(snap),
-            "pauses": {
-                "decisions": snap.pause_decisions,
-                "bytes_moved": snap.bytes_moved,
-                "prefetch_hits": snap.prefetch_hits,
-                "prefetch_stalls": snap.prefetch_stalls,
-            },
-            "options": s.options,
-        }
-        return JSONResponse(body, status_code=200 if ok else 503)
-
-    @app.get("/metrics")
-    async def metrics_endpoint(request: Request) -> Response:
-        return Response(get_state(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     return app
 
@@ -129,6 +128,25 @@ def _install_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
         return reply(exc.status, exc.body(), request)
+
+    @app.exception_handler(SessionNotFound)
+    async def session_not_found(request: Request, exc: SessionNotFound) -> JSONResponse:
+        body = error_body(str(exc), "not_found_error", "session_id", "session_not_found")
+        return reply(404, body, request)
+
+    @app.exception_handler(SessionBusy)
+    async def session_busy(request: Request, exc: SessionBusy) -> JSONResponse:
+        body = error_body(str(exc), "conflict_error", "session_id", "session_busy")
+        return reply(409, body, request)
+
+    @app.exception_handler(SessionQuotaExceeded)
+    async def too_many_sessions(request: Request, exc: SessionQuotaExceeded) -> JSONResponse:
+        body = error_body(str(exc), "rate_limit_error", code="too_many_sessions")
+        response = reply(429, body, request)
+        retry = getattr(exc, "retry_after_s", None)
+        if retry is not None:
+            response.headers["Retry-After"] = str(max(1, math.ceil(retry)))
+        return response
 
     @app.exception_handler(InvalidRequest)
     async def invalid_request(request: Request, exc: InvalidRequest) -> JSONResponse:
@@ -162,6 +180,26 @@ def _install_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
             error_body(f"internal error: {type(exc).__name__}: {exc}", "server_error"),
             request,
         )
+
+
+def _session_registry(
+    engine: Engine, limits: ServerLimits
+) -> tuple[SessionRegistry, RegistryStore | None]:
+    """The registry, persisted next to the engine's session store when there is a disk tier
+    (its records come back after a restart)."""
+    store = None
+    sessions = engine.offload.session_store
+    if sessions is not None:
+        store = RegistryStore(sessions.path.parent)
+    registry = SessionRegistry(
+        max_per_bucket=limits.max_sessions_per_tenant,
+        ttl_s=limits.session_ttl_s,
+        on_change=store.save if store is not None else None,
+        on_remove=store.delete if store is not None else None,
+    )
+    if store is not None:
+        load_registry(registry, store.load())
+    return registry, store
 
 
 def _describe_validation(exc: RequestValidationError) -> tuple[str, str | None]:

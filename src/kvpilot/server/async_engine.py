@@ -8,6 +8,15 @@ call per step and event loop.
 
 A request's stream is registered by the same command that adds the request, so no step can
 produce an output before someone is listening for it.
+
+Faults stay local. A command that raises fails only its caller. A step that raises fails the
+requests that were in flight (each gets a `EngineFault`, a 500 in the OpenAI shape or an SSE
+error event), they are aborted, and the loop goes on. Anything else that escapes the loop is
+caught by its supervisor (`_run`), logged with its traceback, the in-flight requests are
+failed the same way and the loop restarts, up to `MAX_RESTARTS` within `RESTART_WINDOW_S`;
+past that the engine stops and `/health` says why, so a process supervisor restarts us.
+Every pass of the loop (idle ones included, at least every `HEARTBEAT_S`) records a
+heartbeat: `/health` is a liveness check of the loop, not of the thread.
 """
 
 from __future__ import annotations
@@ -16,6 +25,7 @@ import asyncio
 import contextlib
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -29,10 +39,27 @@ log = logging.getLogger("kvpilot.server")
 T = TypeVar("T")
 Info = TypeVar("Info")
 
+HEARTBEAT_S = 1.0  # the idle loop wakes at least this often, so its heartbeat stays fresh
+MAX_RESTARTS = 5  # loop restarts allowed within RESTART_WINDOW_S before the engine stops
+RESTART_WINDOW_S = 60.0
+
 
 class EngineStopped(ApiError):
     def __init__(self, reason: str) -> None:
         super().__init__(503, f"the engine is not running: {reason}", type="server_error")
+
+
+class EngineFault(ApiError):
+    """The engine failed while it ran this request: the request is aborted, others go on."""
+
+    def __init__(self, exc: BaseException) -> None:
+        super().__init__(
+            500,
+            f"the engine failed while running this request ({type(exc).__name__}: {exc}); "
+            "it was aborted and the server carries on: retry it",
+            type="server_error",
+            code="engine_fault",
+        )
 
 
 class RequestStream:
@@ -96,6 +123,10 @@ class AsyncEngine:
         # Called on the engine thread when a running request is aborted for its client.
         self.on_abort = on_abort
         self.error: BaseException | None = None
+        self.faults = 0  # steps that raised (their requests failed, the loop went on)
+        self.restarts = 0  # times the supervisor restarted the loop
+        self.heartbeat = time.monotonic()  # when the loop last went round
+        self._restart_times: deque[float] = deque(maxlen=MAX_RESTARTS)
         self._cond = threading.Condition()
         self._commands: deque[_Command[object]] = deque()
         self._streams: dict[str, RequestStream] = {}
@@ -122,6 +153,10 @@ class AsyncEngine:
     @property
     def running(self) -> bool:
         return self._thread.is_alive() and self.error is None and not self._stopping
+
+    def heartbeat_age_s(self) -> float:
+        """Seconds since the loop last went round (its liveness)."""
+        return time.monotonic() - self.heartbeat
 
     # -- the way in -------------------------------------------------------------------
 
@@ -172,13 +207,39 @@ class AsyncEngine:
     # -- the engine thread ------------------------------------------------------------
 
     def _run(self) -> None:
+        """The supervisor: run the loop; if it dies, fail what was in flight and restart it."""
+        while True:
+            try:
+                self._loop()
+                break
+            except Exception as exc:
+                log.exception("the engine loop died; failing its in-flight requests")
+                self._fail_in_flight(exc)
+                now = time.monotonic()
+                self._restart_times.append(now)
+                full = len(self._restart_times) == MAX_RESTARTS
+                if full and now - self._restart_times[0] < RESTART_WINDOW_S:
+                    log.error(
+                        "the engine loop died %d times within %.0f s; the engine stops",
+                        MAX_RESTARTS,
+                        RESTART_WINDOW_S,
+                    )
+                    self.error = exc
+                    break
+                self.restarts += 1
+                log.warning("restarting the engine loop (restart %d)", self.restarts)
+        self._drain(EngineStopped(self.stop_reason()))
+
+    def _loop(self) -> None:
         engine = self.engine
         while True:
+            self.heartbeat = time.monotonic()
             with self._cond:
                 while not (self._commands or self._stopping or _has_work(engine)):
                     self._cond.wait(_idle_wait_s(engine))
+                    self.heartbeat = time.monotonic()
                 if self._stopping:
-                    break
+                    return
                 commands = list(self._commands)
                 self._commands.clear()
             for command in commands:
@@ -189,16 +250,34 @@ class AsyncEngine:
                 try:
                     outputs = engine.step()
                 except Exception as exc:
-                    log.exception("engine step failed; the engine stops")
-                    self.error = exc
-                    break
+                    log.exception("an engine step failed; its requests are aborted")
+                    self.faults += 1
+                    self._fail_in_flight(exc)
+                    continue
                 self._dispatch(outputs)
             if self.on_iteration is not None:
                 try:
                     self.on_iteration(engine)
                 except Exception:
                     log.exception("on_iteration hook failed")
-        self._drain(EngineStopped(self.stop_reason()))
+
+    def _fail_in_flight(self, exc: BaseException) -> None:
+        """Every request in the engine is aborted; its client gets an `EngineFault`."""
+        engine = self.engine
+        error = EngineFault(exc)
+        for request_id in list(engine.requests):
+            try:
+                engine.abort(request_id)
+            except Exception:
+                log.exception("aborting request %s after a fault failed", request_id)
+                engine.requests.pop(request_id, None)
+            with contextlib.suppress(KeyError):
+                engine.pop_output(request_id)
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, object]]] = {}
+        for stream in self._streams.values():
+            batches.setdefault(stream.loop, []).append((stream, error))
+        self._streams.clear()
+        self._send(batches)
 
     def stop_reason(self) -> str:
         if self.error is not None:
@@ -254,10 +333,13 @@ def _has_work(engine: Engine) -> bool:
     return at is not None and at <= engine.clock.now()
 
 
-def _idle_wait_s(engine: Engine) -> float | None:
-    """How long the idle engine thread may sleep: until the next pause timer, or a command."""
+def _idle_wait_s(engine: Engine) -> float:
+    """How long the idle engine thread may sleep: until the next pause timer, a command, or
+    its next heartbeat, whichever comes first."""
     at = engine.offload.next_event_at()
-    return None if at is None else max(0.0, at - engine.clock.now())
+    if at is None:
+        return HEARTBEAT_S
+    return min(HEARTBEAT_S, max(0.0, at - engine.clock.now()))
 
 
 def _deliver(items: list[tuple[RequestStream, object]]) -> None:

@@ -26,7 +26,8 @@ from kvpilot.server.responses import (
     completion_response,
     finish,
 )
-from kvpilot.server.state import ServerState, authorization, get_state, get_tenant
+from kvpilot.server.session_ops import engine_salt, resolve
+from kvpilot.server.state import ServerState, authorization, client_address, get_state, get_tenant
 from kvpilot.server.streaming import EventStream, events
 from kvpilot.server.submit import (
     BreakpointSpec,
@@ -35,6 +36,7 @@ from kvpilot.server.submit import (
     Submitted,
     request_adder,
     sampling_params,
+    tokenize,
 )
 from kvpilot.server.tenancy import cache_salt, key_id
 
@@ -94,7 +96,7 @@ def break_group(tenant: str | None, body: GenerationRequest) -> tuple[str, ...] 
     """Whose previous request a request is compared with: its session's, or its
     ``prompt_cache_key`` group's (per tenant)."""
     if body.session_id is not None:
-        return ("session", body.session_id)
+        return ("session", tenant or "", body.session_id)
     if body.prompt_cache_key is not None:
         return ("key", tenant or "", body.prompt_cache_key)
     return None
@@ -110,7 +112,12 @@ async def start_call(
     requested = (
         body.requested_max_tokens if isinstance(body, ChatCompletionRequest) else body.max_tokens
     )
-    session = state.sessions.get(body.session_id, tenant) if body.session_id else None
+    session = None
+    if body.session_id is not None:  # created on first use
+        client = client_address(http)
+        salt_in = body.cache_salt
+        create = body.session_create
+        session = resolve(state, tenant, client, body.session_id, create=create, salt=salt_in)
     if session is not None:
         if body.n != 1:
             raise ApiError(
@@ -127,13 +134,35 @@ async def start_call(
         raise ApiError(
             400,
             "expected_tool_wait_s and tool pause a session when its turn ends: send them "
-            "with a session_id (POST /v1/sessions to create one)",
+            "with a session_id (any id of yours: the session is created on first use)",
             param="expected_tool_wait_s" if body.expected_tool_wait_s is not None else "tool",
         )
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}"
+    spec = (
+        SessionSpec(
+            session.engine_id,
+            body.session_history,
+            list(session.messages),
+            list(session.opening_tokens),
+            has_history=bool(session.opening_tokens),
+            salt=engine_salt(session),
+            expected_tool_wait_s=body.expected_tool_wait_s,
+            tool=body.tool,
+        )
+        if session is not None
+        else None
+    )
+    # Off the engine thread: a prompt that cannot fit is refused before it is tokenised, and
+    # tokenising (the cost that grows with the prompt) runs on the worker pool.
+    tokenization = state.tokenization
+    tokenization.check_size(prompt.text_or_ids, prompt.messages, prompt.tools)
+    tokenized = await tokenization.run(
+        lambda: tokenize(tokenization.engine, tokenization.renderer, prompt, spec)
+    )
     add = request_adder(
         request_id=request_id,
         prompt=prompt,
+        tokenized=tokenized,
         params=sampling_params(
             n=body.n,
             temperature=body.temperature,
@@ -148,22 +177,18 @@ async def start_call(
             state.limits.max_tokens_limit if chat else COMPLETION_DEFAULT_MAX_TOKENS
         ),
         salt=cache_salt(tenant, body.cache_salt),
-        session=(
-            SessionSpec(
-                session.session_id,
-                body.session_history,
-                list(session.messages),
-                list(session.opening_tokens),
-                expected_tool_wait_s=body.expected_tool_wait_s,
-                tool=body.tool,
-            )
-            if session is not None
-            else None
-        ),
+        session=spec,
         keep_prompt_ids=body.return_token_ids,
         ideal=state.metrics.ideal,
     )
-    stream, submitted = await state.engine.submit(add)
+    if session is not None:
+        session.busy += 1  # until `release`: an active session never expires
+    try:
+        stream, submitted = await state.engine.submit(add)
+    except BaseException:
+        if session is not None:
+            session.busy -= 1
+        raise
     if session is not None:
         if submitted.conversation is not None:
             session.messages = list(submitted.conversation)
@@ -223,11 +248,14 @@ def _validate(state: ServerState, body: GenerationRequest) -> None:
 
 
 async def _wait_finished(call: Call) -> RequestOutput:
+    """The request's final output; its client's connection is checked every
+    `DISCONNECT_POLL_S` meanwhile, outputs or not, and a client gone aborts the request."""
+    check_at = time.monotonic() + DISCONNECT_POLL_S
     while True:
         output = await call.stream.next(DISCONNECT_POLL_S)
-        if output is None:
+        if output is not None and output.finished:
+            return output
+        if time.monotonic() >= check_at:
             if await call.http.is_disconnected():
                 raise ApiError(499, "the client closed the connection", code="client_closed")
-            continue
-        if output.finished:
-            return output
+            check_at = time.monotonic() + DISCONNECT_POLL_S

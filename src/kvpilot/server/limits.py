@@ -17,11 +17,16 @@ class ServerLimits:
     max_n: int = 8
     max_sessions_per_tenant: int = 256
     max_body_bytes: int = 4 << 20
+    session_ttl_s: float = 3600.0  # sessions idle this long expire (--session-ttl)
 
     def __post_init__(self) -> None:
         for name in ("max_tokens_limit", "max_n", "max_sessions_per_tenant", "max_body_bytes"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if not 0 < self.session_ttl_s <= 30 * 86400:
+            raise ConfigError(
+                f"--session-ttl must be in (0, 30 days] seconds, got {self.session_ttl_s}"
+            )
 
     def check_n(self, n: int) -> None:
         if n > self.max_n:
@@ -33,16 +38,6 @@ class ServerLimits:
                 400,
                 f"{param}={max_tokens} exceeds this server's limit of {self.max_tokens_limit}",
                 param=param,
-            )
-
-    def check_sessions(self, open_sessions: int, wanted: int = 1) -> None:
-        if open_sessions + wanted > self.max_sessions_per_tenant:
-            raise ApiError(
-                429,
-                f"this tenant has {open_sessions} open sessions and the limit is "
-                f"{self.max_sessions_per_tenant}: close one with DELETE /v1/sessions/{{id}}",
-                type="rate_limit_error",
-                code="too_many_sessions",
             )
 
 

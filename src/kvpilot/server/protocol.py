@@ -21,7 +21,13 @@ from pydantic import (
     StrictFloat,
     StrictInt,
     StrictStr,
+    model_validator,
 )
+
+from kvpilot.policy.breakeven import MAX_WAIT_S
+
+# Session ids: the client's own (created on first use) or the server's; scoped per tenant.
+SESSION_ID_PATTERN = r"^[A-Za-z0-9._:-]{1,128}$"
 
 ErrorType = Literal[
     "invalid_request_error",
@@ -65,6 +71,37 @@ def error_body(
 
 # -- requests ------------------------------------------------------------------------------
 
+
+def check_text(data: Any, where: str = "body") -> Any:
+    """``data`` unchanged, or ValueError (a 400) if a string in it is not valid Unicode text:
+    JSON may escape lone surrogates (``"\\ud800"``), which no tokenizer can encode."""
+    if isinstance(data, str):
+        try:
+            data.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(
+                f"{where} holds a lone surrogate at character {exc.start}: text must be valid "
+                "Unicode (a UTF-16 surrogate escape must come in a high-low pair)"
+            ) from None
+    elif isinstance(data, dict):
+        for key, value in data.items():
+            check_text(key, where)
+            check_text(value, f"{where}.{key}" if isinstance(key, str) else where)
+    elif isinstance(data, list):
+        for i, value in enumerate(data):
+            check_text(value, f"{where}[{i}]")
+    return data
+
+
+class RequestBody(BaseModel):
+    """A request body: every string in it must be valid Unicode text."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_text(cls, data: Any) -> Any:
+        return check_text(data, "body")
+
+
 SessionHistory = Literal["auto", "full", "append"]
 
 # Fields of the OpenAI API kvpilot does not implement, with the values that mean "unused".
@@ -85,7 +122,7 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
-class GenerationRequest(BaseModel):
+class GenerationRequest(RequestBody):
     """Fields shared by completions and chat completions."""
 
     model_config = ConfigDict(extra="allow")
@@ -102,9 +139,14 @@ class GenerationRequest(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: StrictBool = False
     user: StrictStr | None = None
-    session_id: StrictStr | None = Field(None, min_length=1, max_length=128)
+    session_id: StrictStr | None = Field(None, pattern=SESSION_ID_PATTERN)
     session_history: SessionHistory = "auto"
-    expected_tool_wait_s: StrictFloat | None = Field(None, ge=0.0, allow_inf_nan=False)
+    # A session_id names the caller's session, created on first use; with False a missing
+    # session is a 404 instead (a router that must know when a replica lost one).
+    session_create: StrictBool = True
+    expected_tool_wait_s: StrictFloat | None = Field(
+        None, ge=0.0, le=MAX_WAIT_S, allow_inf_nan=False
+    )
     tool: StrictStr | None = Field(None, max_length=256)
     cache_salt: StrictStr | None = Field(None, min_length=1, max_length=256)
     return_token_ids: StrictBool = False
@@ -196,21 +238,22 @@ class ChatCompletionRequest(GenerationRequest):
         return [m.for_template() for m in self.messages]
 
 
-class CreateSessionRequest(BaseModel):
+class CreateSessionRequest(RequestBody):
     model_config = ConfigDict(extra="forbid")
     cache_salt: StrictStr | None = Field(None, min_length=1, max_length=256)
+    session_id: StrictStr | None = Field(None, pattern=SESSION_ID_PATTERN)  # yours, or made up
 
 
-class ForkSessionRequest(BaseModel):
+class ForkSessionRequest(RequestBody):
     model_config = ConfigDict(extra="forbid")
     n: StrictInt = Field(1, ge=1)
 
 
-class PauseSessionRequest(BaseModel):
+class PauseSessionRequest(RequestBody):
     """Without ``expected_wait_s`` the engine predicts the wait from the tool's past waits."""
 
     model_config = ConfigDict(extra="forbid")
-    expected_wait_s: StrictFloat | None = Field(None, ge=0.0, allow_inf_nan=False)
+    expected_wait_s: StrictFloat | None = Field(None, ge=0.0, le=MAX_WAIT_S, allow_inf_nan=False)
     tool: StrictStr | None = Field(None, max_length=256)
 
 

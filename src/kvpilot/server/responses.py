@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,11 +52,18 @@ class Call:
     api_key: str | None = None  # the caller's key id (a digest), for the usage ledger
     prefix_break: PrefixBreak | None = None
     cache: CacheOutcome | None = None  # set by `finish`
+    released: bool = False  # its session's `busy` count was given back
 
 
 def abort_unfinished(call: Call) -> None:
+    """The call is over (however it ended): abort its request if it still runs, and release
+    its session (it may expire again once idle)."""
     if not call.stream.finished:
         call.state.engine.abort_soon(call.request_id)
+    if call.session is not None and not call.released:
+        call.released = True
+        call.session.busy -= 1
+        call.session.last_used = time.time()
 
 
 async def finish(call: Call, output: RequestOutput) -> KvpilotInfo:
@@ -71,11 +80,15 @@ async def finish(call: Call, output: RequestOutput) -> KvpilotInfo:
         session.record_turn(output.prompt_tokens, output.cached_tokens, by_tier(output))
         if call.chat and completed:
             session.messages.append({"role": "assistant", "content": output.outputs[0].text})
-        if call.body.pause_hint and completed:
-            sid = session.session_id
-            pause = await state.engine.call(lambda engine: pause_info(engine, sid))
+        eid, hint = session.engine_id, call.body.pause_hint and completed
+        saved = await state.engine.call(lambda engine: _after_turn(engine, eid, hint))
+        if saved is not None:  # its tokens, saved off the engine thread
+            await state.tokenization.run(saved)
+        if hint:
+            pause = await state.engine.call(lambda engine: pause_info(engine, eid))
             if pause is not None:
                 session.last_pause = pause
+        state.sessions.changed(session)
     token_ids = call.body.return_token_ids
     return KvpilotInfo(
         session_id=session.session_id if session else None,
@@ -88,6 +101,16 @@ async def finish(call: Call, output: RequestOutput) -> KvpilotInfo:
         prompt_token_ids=call.submitted.prompt_token_ids if token_ids else None,
         completion_token_ids=[list(o.token_ids) for o in output.outputs] if token_ids else None,
     )
+
+
+def _after_turn(engine: Engine, engine_id: str, paused: bool) -> Callable[[], object] | None:
+    """Engine thread: what saves the session's tokens now (None: a pause saved them)."""
+    store = engine.offload.session_store
+    session = engine.sessions.get(engine_id)
+    if store is None or session is None or paused or engine.offload.record_for(engine_id):
+        return None
+    tokens, salt = session.tokens, session.salt
+    return lambda: store.save(engine_id, tokens, salt, {"action": None})
 
 
 async def _bill(call: Call, output: RequestOutput) -> CacheOutcome | None:

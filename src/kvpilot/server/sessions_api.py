@@ -1,4 +1,8 @@
-"""``/v1/sessions``: create, inspect, fork, pause and close agent sessions."""
+"""``/v1/sessions``: create, inspect, fork, pause and close agent sessions.
+
+Ids are scoped per tenant (`session_registry`); a session named in a generation request's
+``extra_body.session_id`` is created on first use, so ``POST /v1/sessions`` is optional.
+"""
 
 from __future__ import annotations
 
@@ -7,36 +11,27 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 
 from kvpilot.engine import Engine, Session
-from kvpilot.server.protocol import (
-    ApiError,
-    CreateSessionRequest,
-    ForkSessionRequest,
-    PauseSessionRequest,
-)
-from kvpilot.server.session_registry import ServerSession
+from kvpilot.errors import SessionBusy, SessionNotFound
+from kvpilot.server.protocol import CreateSessionRequest, ForkSessionRequest, PauseSessionRequest
+from kvpilot.server.session_ops import close, engine_salt, ensure_engine_session, resolve
+from kvpilot.server.session_registry import ServerSession, client_session_id
 from kvpilot.server.session_states import session_states
-from kvpilot.server.state import get_state, get_tenant
-from kvpilot.server.tenancy import cache_salt
+from kvpilot.server.state import client_address, get_state, get_tenant
 from kvpilot.server.tiers import TIERS, pause_info, session_residency
 
 router = APIRouter()
 
 
-def _engine_session(engine: Engine, session_id: str) -> Session:
-    session = engine.sessions.get(session_id)
-    if session is None:
-        raise ApiError(404, f"session {session_id!r} was closed", type="not_found_error")
-    return session
+def _engine_session(engine: Engine, record: ServerSession) -> Session:
+    return ensure_engine_session(engine, record.engine_id, engine_salt(record))
 
 
-def _busy(session: Session, action: str) -> ApiError:
-    return ApiError(
-        409,
-        f"cannot {action} session {session.session_id} while turn {session.active_request} "
-        "runs: wait for it to finish",
-        type="conflict_error",
-        code="session_busy",
-    )
+def _check_idle(session: Session, record: ServerSession, action: str) -> None:
+    if session.active_request is not None:
+        raise SessionBusy(
+            f"cannot {action} session {record.session_id} while turn {session.active_request} "
+            "runs: wait for it to finish"
+        )
 
 
 @router.post("/v1/sessions")
@@ -46,12 +41,17 @@ async def create_session(
     tenant: str | None = Depends(get_tenant),
 ) -> dict[str, Any]:
     state = get_state(request)
-    state.limits.check_sessions(state.sessions.count(tenant))
     salt_in = body.cache_salt if body else None
-    session_id = state.sessions.new_id()
-    salt = cache_salt(tenant, salt_in)
-    await state.engine.call(lambda e: e.open_session(salt=salt, session_id=session_id))
-    state.sessions.add(ServerSession(session_id, tenant, salt_in))
+    requested = body.session_id if body else None
+    if requested is not None and state.sessions.find(requested, tenant) is not None:
+        raise SessionBusy(f"session {requested!r} exists already: use it, or pick another id")
+    session_id = requested or state.sessions.new_id()
+    record = resolve(state, tenant, client_address(request), session_id, create=True, salt=salt_in)
+    try:
+        await state.engine.call(lambda e: _engine_session(e, record))
+    except BaseException:
+        state.sessions.remove(record.session_id, tenant)
+        raise
     return {"id": session_id, "object": "session", "cache_salt": salt_in}
 
 
@@ -65,7 +65,8 @@ async def list_sessions(
     records = state.sessions.of_tenant(tenant)
 
     def read(engine: Engine) -> dict[str, tuple[str, int, dict[str, Any] | None]]:
-        states = session_states(engine, [r.session_id for r in records])
+        ids = [r.engine_id for r in records if r.engine_id in engine.sessions]
+        states = session_states(engine, ids)
         return {
             sid: (st, engine.sessions[sid].num_tokens, pause_info(engine, sid))
             for sid, st in states.items()
@@ -74,9 +75,7 @@ async def list_sessions(
     live = await state.engine.call(read)
     data = []
     for record in records:
-        if record.session_id not in live:
-            continue
-        now, tokens, pause = live[record.session_id]
+        now, tokens, pause = live.get(record.engine_id, ("idle", None, None))
         if pause is not None:
             record.last_pause = pause
         data.append(
@@ -103,13 +102,13 @@ async def get_session(
     record = state.sessions.get(session_id, tenant)
 
     def read(engine: Engine) -> dict[str, Any]:
-        session = _engine_session(engine, session_id)
+        session = _engine_session(engine, record)
         return {
             "tokens": session.num_tokens,
             "computed_tokens": session.traj.num_computed_tokens,
             "blocks": session_residency(engine, session),
             "active_request": session.active_request,
-            "pause": pause_info(engine, session_id),
+            "pause": pause_info(engine, record.engine_id),
         }
 
     live = await state.engine.call(read)
@@ -128,7 +127,7 @@ async def get_session(
         # prefix breaks seen (by cause) and reuse per conversation sharing the session.
         "h_prefix": record.hit_rate,
         **(
-            state.prompt_cache.describe_group(("session", session_id))
+            state.prompt_cache.describe_group(("session", tenant or "", session_id))
             if state.prompt_cache is not None
             else {}
         ),
@@ -149,15 +148,14 @@ async def fork_session(
     state = get_state(request)
     record = state.sessions.get(session_id, tenant)
     n = body.n if body else 1
-    state.limits.check_sessions(state.sessions.count(tenant), n)
+    state.sessions.check_quota(record.bucket, n)
 
     def fork(engine: Engine) -> list[str]:
-        session = _engine_session(engine, session_id)
-        if session.active_request is not None:
-            raise _busy(session, "fork")
+        session = _engine_session(engine, record)
+        _check_idle(session, record, "fork")
         return [child.session_id for child in session.fork(n)]
 
-    children = await state.engine.call(fork)
+    children = [client_session_id(tenant, c) for c in await state.engine.call(fork)]
     for child in children:
         state.sessions.add(record.forked(child))
     return {"id": session_id, "object": "session.forks", "forks": children}
@@ -178,15 +176,16 @@ async def pause(
     tool = body.tool if body else None
 
     def run(engine: Engine) -> dict[str, Any] | None:
-        session = _engine_session(engine, session_id)
-        if session.active_request is not None:
-            raise _busy(session, "pause")
+        session = _engine_session(engine, record)
+        _check_idle(session, record, "pause")
         session.pause(wait, tool)
-        return pause_info(engine, session_id)
+        return pause_info(engine, record.engine_id)
 
     info = await state.engine.call(run)
-    assert info is not None  # a pause always leaves its record
+    if info is None:
+        raise SessionNotFound(f"session {session_id!r} was closed")
     record.last_pause = info
+    state.sessions.changed(record)
     return {"id": session_id, "object": "session.pause", **info}
 
 
@@ -195,13 +194,5 @@ async def delete_session(
     session_id: str, request: Request, tenant: str | None = Depends(get_tenant)
 ) -> dict[str, Any]:
     state = get_state(request)
-    state.sessions.get(session_id, tenant)
-
-    def close(engine: Engine) -> None:
-        session = engine.sessions.get(session_id)
-        if session is not None:
-            session.close()
-
-    await state.engine.call(close)
-    state.sessions.remove(session_id)
+    await close(state, state.sessions.get(session_id, tenant))
     return {"id": session_id, "object": "session.deleted", "deleted": True}

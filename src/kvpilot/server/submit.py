@@ -1,7 +1,10 @@
-"""Turning a validated request body into an engine request (runs on the engine thread).
+"""Turning a validated request body into an engine request.
 
-Everything here reads or changes engine state, so it runs inside one engine command: the
-session's tokens cannot change between reading them and submitting the turn.
+Two halves: `tokenize` renders and tokenises the prompt on a worker thread (it needs no engine
+state, and a long prompt must not stall the engine thread); `request_adder` makes the engine
+command that adds the request, which reads and changes engine state, so it runs on the
+engine thread in one go: a session's tokens cannot change between reading them and
+submitting the turn.
 """
 
 from __future__ import annotations
@@ -13,9 +16,10 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from kvpilot.engine import Engine, SamplingParams
-from kvpilot.errors import InvalidRequest
+from kvpilot.errors import InvalidRequest, SessionBusy
+from kvpilot.server.chat_render import ChatRenderer
 from kvpilot.server.limits import resolve_max_tokens
-from kvpilot.server.protocol import ApiError, SessionHistory
+from kvpilot.server.protocol import SessionHistory
 from kvpilot.server.turns import (
     chat_resends_history,
     common_prefix_len,
@@ -57,6 +61,8 @@ class SessionSpec:
     mode: SessionHistory
     conversation: list[dict[str, Any]]  # the chat conversation as of the session's last turn
     opening_tokens: list[int]
+    has_history: bool = False  # the session has had a turn (as the server saw it)
+    salt: str | None = None  # the engine salt the session is opened with on first use
     # Either set: the turn ends on a tool call, and the engine pauses the session then.
     expected_tool_wait_s: float | None = None
     tool: str | None = None
@@ -78,36 +84,71 @@ class Submitted:
     breakpoints: tuple[tuple[int, float, str], ...] = ()  # (position, ttl_s, where)
 
 
-def render_chat(
-    engine: Engine, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
-) -> list[int]:
-    return render_chat_text(engine, messages, tools)[1]
+@dataclass(frozen=True, slots=True)
+class Tokenized:
+    """A request's prompt as tokens, made off the engine thread."""
+
+    tokens: list[int]  # the prompt as sent (a chat: the conversation below, rendered)
+    text: str | None = None  # the rendered chat prompt, or the completion prompt's text
+    conversation: list[dict[str, Any]] | None = None  # a chat: the conversation rendered
+    full_chat: bool = False  # a chat whose conversation is the client's whole history
+    appended: list[int] | None = None  # a completion appended to a session's history
+    breakpoints: tuple[tuple[int, float, str], ...] = ()  # (position, ttl_s, where)
+
+
+def tokenize(
+    engine: Engine,
+    renderer: ChatRenderer | None,
+    prompt: PromptSpec,
+    session: SessionSpec | None,
+) -> Tokenized:
+    """Worker thread: render and tokenise ``prompt`` (reads only the engine's constants)."""
+    if prompt.messages is not None:
+        messages = prompt.messages
+        full = session is None or not session.has_history
+        if session is not None and not full:
+            full = chat_resends_history(session.mode, messages)
+            if not full:
+                messages = session.conversation + messages
+        text, tokens = render_chat_text(renderer, messages, prompt.tools)
+        if not tokens:
+            raise InvalidRequest("the prompt is empty")
+        check_fits(engine, len(tokens))
+        positions = breakpoint_positions(renderer, prompt, tokens) if full else ()
+        return Tokenized(tokens, text, messages, full, None, positions)
+    assert prompt.text_or_ids is not None
+    tokens = encode(engine, prompt.text_or_ids, special=True)
+    text = prompt.text_or_ids if isinstance(prompt.text_or_ids, str) else None
+    appended = None
+    if session is None:
+        if not tokens:
+            raise InvalidRequest("the prompt is empty")
+        check_fits(engine, len(tokens))
+    elif session.has_history and not completion_resends_history(
+        session.mode, tokens, session.opening_tokens
+    ):
+        appended = encode(engine, prompt.text_or_ids, special=False)
+    return Tokenized(tokens, text, appended=appended)
 
 
 def render_chat_text(
-    engine: Engine,
+    renderer: ChatRenderer | None,
     messages: list[dict[str, Any]],
     tools: list[dict[str, Any]] | None,
     *,
     generation_prompt: bool = True,
 ) -> tuple[str, list[int]]:
-    """The chat prompt's text and tokens. A template that does not render tools gets them
-    as JSON at the start of the system message, so that they reach the model."""
-    tokenizer = engine.tokenizer
-    template = getattr(tokenizer, "chat_template", None) if tokenizer is not None else None
-    if tokenizer is None or not template:
+    """The chat prompt's text and tokens (message content never becomes control tokens). A
+    template that does not render tools gets them as JSON at the start of the system message,
+    so that they reach the model."""
+    template = getattr(renderer.tokenizer, "chat_template", None) if renderer else None
+    if renderer is None or not template:
         raise InvalidRequest(
             "this model has no chat template: use /v1/completions with a plain prompt"
         )
     if tools and "tools" not in str(template):
         messages, tools = tools_in_system(messages, tools), None
-    try:
-        text = tokenizer.apply_chat_template(
-            messages, tools=tools, add_generation_prompt=generation_prompt, tokenize=False
-        )
-    except Exception as exc:  # jinja2 raises TemplateError, templates raise what they like
-        raise InvalidRequest(f"the chat template refused these messages: {exc}") from exc
-    return text, list(tokenizer.encode(text, add_special_tokens=False))
+    return renderer.render(messages, tools, generation_prompt=generation_prompt)
 
 
 def tools_in_system(
@@ -123,12 +164,12 @@ def tools_in_system(
 
 
 def breakpoint_positions(
-    engine: Engine, prompt: PromptSpec, whole: list[int]
+    renderer: ChatRenderer | None, prompt: PromptSpec, whole: list[int]
 ) -> tuple[tuple[int, float, str], ...]:
     """Where each breakpoint falls in ``whole`` (tokens), by rendering the request cut there."""
     out = []
     for bp in prompt.breakpoints:
-        _, cut = render_chat_text(engine, bp.messages, bp.tools, generation_prompt=False)
+        _, cut = render_chat_text(renderer, bp.messages, bp.tools, generation_prompt=False)
         out.append((common_prefix_len(cut, whole), bp.ttl_s, bp.where))
     return tuple(out)
 
@@ -149,6 +190,7 @@ def request_adder(
     *,
     request_id: str,
     prompt: PromptSpec,
+    tokenized: Tokenized,
     params: SamplingParams,
     requested_max_tokens: int | None,
     default_max_tokens: int,
@@ -162,18 +204,9 @@ def request_adder(
     def add(engine: Engine) -> tuple[str, Submitted]:
         if session is not None:
             return _add_turn(engine, session)
-        text = None
-        if prompt.messages is not None:
-            text, tokens = render_chat_text(engine, prompt.messages, prompt.tools)
-        else:
-            assert prompt.text_or_ids is not None
-            tokens = encode(engine, prompt.text_or_ids, special=True)
-            text = prompt.text_or_ids if isinstance(prompt.text_or_ids, str) else None
-        if not tokens:
-            raise InvalidRequest("the prompt is empty")
-        check_fits(engine, len(tokens))
+        tokens, text = tokenized.tokens, tokenized.text
         final = _with_max_tokens(engine, len(tokens))
-        breakpoints = breakpoint_positions(engine, prompt, tokens)
+        breakpoints = tokenized.breakpoints
         limit = prompt.reuse_limit(tokens, salt) if prompt.reuse_limit is not None else None
         engine.add_request(tokens, final, request_id=request_id, salt=salt)
         if limit is not None:
@@ -205,31 +238,25 @@ def request_adder(
 
     def _add_turn(engine: Engine, spec: SessionSpec) -> tuple[str, Submitted]:
         current = engine.sessions.get(spec.session_id)
-        if current is None:
-            raise ApiError(404, f"session {spec.session_id!r} was closed", type="not_found_error")
+        if current is None:  # first use, or first since a restart (restored from disk)
+            current = engine.open_session(salt=spec.salt, session_id=spec.session_id)
         if current.active_request is not None:
-            raise ApiError(
-                409,
+            raise SessionBusy(
                 f"session {spec.session_id} is still running turn {current.active_request}: "
-                "wait for it to finish, or fork the session to run turns in parallel",
-                type="conflict_error",
-                param="session_id",
-                code="session_busy",
+                "wait for it to finish, or fork the session to run turns in parallel"
             )
         history = current.tokens
-        conversation: list[dict[str, Any]] | None = None
-        text: str | None = None
-        if prompt.messages is not None:
-            full = not history or chat_resends_history(spec.mode, prompt.messages)
-            conversation = prompt.messages if full else spec.conversation + prompt.messages
-            text, whole = render_chat_text(engine, conversation, prompt.tools)
-            full_chat = full
-        else:
-            full_chat = False
-            assert prompt.text_or_ids is not None
-            whole = encode(engine, prompt.text_or_ids, special=True)
-            if history and not completion_resends_history(spec.mode, whole, spec.opening_tokens):
-                whole = history + encode(engine, prompt.text_or_ids, special=False)
+        conversation = tokenized.conversation
+        text = tokenized.text
+        full_chat = tokenized.full_chat
+        whole = tokenized.tokens
+        appending = history and prompt.messages is None
+        if appending and not completion_resends_history(spec.mode, whole, spec.opening_tokens):
+            appended = tokenized.appended
+            if appended is None:  # the session gained its history meanwhile
+                assert prompt.text_or_ids is not None
+                appended = encode(engine, prompt.text_or_ids, special=False)
+            whole = history + appended
         plan = plan_turn(history, whole)
         if not plan.tokens:
             raise InvalidRequest("the prompt is empty")
@@ -262,7 +289,7 @@ def request_adder(
             opening_tokens=whole if (plan.restart or not history) else None,
             prompt_token_ids=list(whole) if keep_prompt_ids else None,
             prompt_text=text,
-            breakpoints=breakpoint_positions(engine, prompt, whole) if full_chat else (),
+            breakpoints=tokenized.breakpoints if full_chat else (),
         )
         # Every history token but the last generated one had its KV computed.
         shared = plan.divergence_index if plan.restart else len(history)

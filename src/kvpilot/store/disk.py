@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sqlite3
 import threading
 import time
 from collections import OrderedDict
@@ -30,6 +29,7 @@ import numpy as np
 
 from kvpilot.errors import ConfigError, InvalidRequest, KvpilotError
 from kvpilot.memory.hashing import HASH_BYTES, ModelFingerprint
+from kvpilot.store.faults import DISK_FAULTS, FaultEpisodes
 from kvpilot.store.index import INDEX_FILENAME, BlockIndex, IndexEntry
 from kvpilot.store.slot_file import SlotFile, checksum, lock_directory
 from kvpilot.store.slots import SlotTable
@@ -100,6 +100,7 @@ class DiskBlockStore:
                 )
             self.directory.mkdir(parents=True)
         self._file = SlotFile(self.directory, num_slots, block_bytes)
+        self._file.check_space()
         self._lock_fd = lock_directory(self.directory)
         try:
             self._index = BlockIndex(
@@ -115,6 +116,7 @@ class DiskBlockStore:
         self._lock = threading.Lock()
         self._slots = SlotTable(num_slots, self._index.load())
         self._counters = StoreCounters()
+        self.faults = FaultEpisodes(f"writing KV blocks to {self.directory}", log)
         self._closed = False
         try:
             with self._lock:
@@ -162,7 +164,7 @@ class DiskBlockStore:
                 try:
                     self._reconcile_data_file()
                 except OSError as exc:
-                    log.warning("disk store %s: cannot restore data file: %s", self.directory, exc)
+                    self.faults.failed(exc, len(items))
                     self._counters.write_errors += len(items)
                     return [False] * len(items)
             results, planned = self._plan(items, now)
@@ -177,14 +179,16 @@ class DiskBlockStore:
                 self._write_slots([(p.slot, p.data) for p in planned.values()])
             elapsed = time.perf_counter() - start
             self._commit(rows)
-        except (OSError, sqlite3.Error) as exc:
-            log.warning("disk store %s: %d block writes failed: %s", self.directory, len(rows), exc)
+        except DISK_FAULTS as exc:
+            self.faults.failed(exc, max(len(rows), 1))
             with self._lock:
                 for p in planned.values():
                     self._slots.abandoned(p.slot)
                     results[p.item] = False
                 self._counters.write_errors += len(planned)
             return results
+        if planned:
+            self.faults.succeeded()
         with self._lock:
             for key, entry in rows:
                 self._slots.written(key, entry)
@@ -353,7 +357,10 @@ class DiskBlockStore:
         try:
             self._writer.close()
             self._reader.shutdown(wait=True)
-            self._commit()
+            try:
+                self._commit()
+            except DISK_FAULTS as exc:  # the index keeps its last good state
+                self.faults.failed(exc)
         finally:
             self._index.close()
             os.close(self._lock_fd)

@@ -3,6 +3,7 @@ the fingerprint of the model whose KV the blocks are."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sqlite3
 from collections.abc import Iterable
@@ -174,10 +175,12 @@ class BlockIndex:
             conn.executemany(
                 "UPDATE blocks SET last_access = ? WHERE key = ?", ((t, k) for k, t in touches)
             )
+            conn.execute("COMMIT")
         except BaseException:
-            conn.execute("ROLLBACK")
+            if conn.in_transaction:  # a failed COMMIT (a full disk) leaves it open
+                with contextlib.suppress(sqlite3.Error):
+                    conn.execute("ROLLBACK")
             raise
-        conn.execute("COMMIT")
 
     def close(self) -> None:
         self._conn.close()

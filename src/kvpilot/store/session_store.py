@@ -25,6 +25,7 @@ import numpy as np
 
 from kvpilot.errors import ConfigError, InvalidRequest, KvpilotError
 from kvpilot.memory.hashing import ModelFingerprint
+from kvpilot.store.faults import DISK_FAULTS, FaultEpisodes
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +64,8 @@ class SessionStore:
     (committed with synchronous=FULL) when it returns. Safe to share between threads.
 
     With a ``model`` fingerprint, saves record it and ``load`` resumes only sessions it saved.
+    A disk fault on ``save`` or ``delete`` (a full disk, an I/O error) is not raised: the call
+    returns False, and ``faults`` counts it (logged once per episode).
     """
 
     def __init__(
@@ -82,6 +85,7 @@ class SessionStore:
                 )
             self.path.parent.mkdir(parents=True, exist_ok=True)
         self._clock = clock
+        self.faults = FaultEpisodes(f"saving sessions to {self.path}", log)
         self._lock = threading.Lock()
         self._closed = False
         self._conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
@@ -110,8 +114,8 @@ class SessionStore:
 
     def save(
         self, session_id: str, tokens: Sequence[int], salt: str | None, meta: dict[str, Any]
-    ) -> None:
-        """Stores (or replaces) a session; durable on return."""
+    ) -> bool:
+        """Stores (or replaces) a session; durable on return. False if the disk failed."""
         blob = _encode_tokens(session_id, tokens)
         if not isinstance(meta, dict):
             raise InvalidRequest(f"meta of session {session_id!r} must be a dict, got {meta!r:.60}")
@@ -126,7 +130,15 @@ class SessionStore:
         row = (session_id, blob, salt, meta_json, self._clock(), *fingerprint)
         with self._lock:
             self._check_open()
-            self._conn.execute("INSERT OR REPLACE INTO sessions VALUES (?, ?, ?, ?, ?, ?, ?)", row)
+            try:
+                self._conn.execute(
+                    "INSERT OR REPLACE INTO sessions VALUES (?, ?, ?, ?, ?, ?, ?)", row
+                )
+            except DISK_FAULTS as exc:
+                self.faults.failed(exc)
+                return False
+        self.faults.succeeded()
+        return True
 
     def load(self, session_id: str) -> StoredSession | None:
         with self._lock:
@@ -152,10 +164,15 @@ class SessionStore:
         return StoredSession(session_id, tokens, salt, json.loads(meta_json), saved_at)
 
     def delete(self, session_id: str) -> bool:
-        """Removes a session; durable on return. False if there was none."""
+        """Removes a session; durable on return. False if there was none (or the disk failed:
+        a session left behind is dropped at the next save of its id, or resumed if asked)."""
         with self._lock:
             self._check_open()
-            cur = self._conn.execute("DELETE FROM sessions WHERE session_id = ?", (session_id,))
+            try:
+                cur = self._conn.execute("DELETE FROM sessions WHERE session_id = ?", (session_id,))
+            except DISK_FAULTS as exc:
+                self.faults.failed(exc)
+                return False
         return cur.rowcount > 0
 
     def __contains__(self, session_id: object) -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import shutil
 from collections.abc import Sequence
 from hashlib import blake2b
 from pathlib import Path
@@ -37,6 +38,23 @@ class SlotFile:
             return os.stat(self.path).st_size
         except FileNotFoundError:
             return None
+
+    def check_space(self) -> None:
+        """ConfigError unless the file system can hold the file at full size: the file is
+        sparse, so a tier larger than the free space would fail its writes later, not now."""
+        try:
+            used = os.stat(self.path).st_blocks * 512
+        except FileNotFoundError:
+            used = 0
+        need = self.full_size - used
+        free = shutil.disk_usage(self.path.parent).free
+        if need > free:
+            fit = (free + used) // self.block_bytes
+            raise ConfigError(
+                f"the disk tier in {self.path.parent} needs {self.full_size:,} bytes "
+                f"({self.num_slots} blocks of {self.block_bytes:,} bytes) but only {free:,} "
+                f"bytes are free there: lower --disk-blocks to at most {fit}, or free space"
+            )
 
     def restore(self) -> None:
         """Creates the file, or extends it to full size (sparse: no space is reserved)."""

@@ -225,6 +225,7 @@ async def generate(front: FleetFront, request: Request, path: str) -> Response:
                 if stale or session.replica != replica:
                     await front.move_session(session, replica, headers)
                 out["session_id"] = session.local_id
+                out["session_create"] = False  # a replica that lost it says so (404)
                 if session.moves and session.resend:
                     if chat:
                         out["messages"] = conversation
