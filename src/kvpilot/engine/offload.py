@@ -11,7 +11,6 @@ give way by least value per byte held.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Callable, Collection
 from collections.abc import Sequence as Seq
@@ -19,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from kvpilot.engine.config import PauseConfig
 from kvpilot.engine.executor import TierTransport
+from kvpilot.engine.pause_pricing import feasible, host_room, next_use, pressure_on
 from kvpilot.engine.pause_timers import PauseTimers
 from kvpilot.engine.tier_mover import TierMover
 from kvpilot.engine.tier_stats import PauseRecord, PauseState, TierStats
@@ -129,7 +129,7 @@ class OffloadManager:
         wait = clamp_wait_s(wait)  # timers and figures stay finite whatever the caller said
         nodes = self.exclusive_device_nodes(traj)
         inputs = self._inputs(traj, nodes, wait, tool)
-        decision = self._feasible(self.policy.decide(inputs))
+        decision = feasible(self.policy.decide(inputs), self.mover.link_bw(), self.mover.disk_bw())
         now = self.now()
         lease = self.policy.lease_s(inputs) if decision.action is PauseAction.RETAIN else 0.0
         record = PauseRecord(
@@ -158,19 +158,11 @@ class OffloadManager:
         tokens = sum(len(n.tokens) for n in nodes) + traj.num_computed_tokens - traj.locked_tokens
         blocks = sum(n.num_blocks for n in nodes) + traj.num_private_blocks
         host = mover.host_pool
-        host_free = 0.0
-        host_pressure = 1.0
+        host_free, host_pressure = 0.0, 1.0
         if host is not None and mover.has_host:
-            # Host room is what LRU may evict, less what paused sessions offloaded there and
-            # will want back: those bytes are held, not cache (`host.usage` counts both).
             free = (host.num_free + self.radix.evictable_blocks(Tier.HOST)) * self.block_bytes
-            awaited = sum(
-                r.inputs.kv_bytes
-                for r in self.records.values()
-                if r.action is PauseAction.OFFLOAD_HOST and r.state is PauseState.OFFLOADED
-            )
-            host_free = max(0.0, free - awaited)
-            host_pressure = 1.0 - host_free / max(host.num_blocks * self.block_bytes, 1)
+            capacity = host.num_blocks * self.block_bytes
+            host_free, host_pressure = host_room(free, capacity, self.records.values())
         return PauseInputs(
             kv_bytes=float(blocks * self.block_bytes),
             num_tokens=max(tokens, 0),
@@ -180,53 +172,19 @@ class OffloadManager:
             prefill_tokens_per_s=self.prefill.tokens_per_s(
                 len(traj.tokens), DEFAULT_PREFILL_TOKENS_PER_S
             ),
-            device_pressure=self._pressure_on(float(blocks * self.block_bytes), wait),
-            host_pressure=min(1.0, max(0.0, host_pressure)),
+            device_pressure=pressure_on(
+                self.pressure(),
+                self.records.values(),
+                self.now(),
+                float(blocks * self.block_bytes),
+                wait,
+            ),
+            host_pressure=host_pressure,
             host_free_bytes=float(host_free),
             device_used_bytes=float(self.kv.device.num_used * self.block_bytes),
             tool=tool,
             tool_waits=tuple(self.waits.by_tool.get(tool, ())) if tool else (),
         )
-
-    def _next_use(self, record: PauseRecord, now: float) -> float:
-        # Overdue: a wait past its prediction is a long one (approvals, slow tools), so
-        # expect it to last as long again rather than to end at once.
-        return max(record.expected_return, now + (now - record.paused_at))
-
-    def _pressure_on(self, kv_bytes: float, wait: float) -> float:
-        """The device pressure this pause's state faces: the engine's, times the share of
-        retained idle state that is back sooner than it. When memory is needed, `reclaim`
-        demotes whatever is back last first, so state that others would give way for is
-        under no pressure itself; the one back last feels it all."""
-        pressure = min(1.0, max(0.0, self.pressure()))
-        now = self.now()
-        back = now + wait
-        sooner = later = 0.0
-        for record in self.records.values():
-            if record.state is not PauseState.RETAINED:
-                continue
-            if self._next_use(record, now) > back:
-                later += record.inputs.kv_bytes
-            else:
-                sooner += record.inputs.kv_bytes
-        if later == 0.0:
-            return pressure
-        return pressure * (sooner + kv_bytes) / (sooner + later + kv_bytes)
-
-    def _feasible(self, decision: PauseDecision) -> PauseDecision:
-        """A fixed policy may ask for a tier this engine lacks: fall back, and say so."""
-        action = decision.action
-        if action is PauseAction.OFFLOAD_HOST and self.mover.link_bw() == 0.0:
-            why = "no host tier is configured"
-        elif action is PauseAction.OFFLOAD_DISK and self.mover.disk_bw() == 0.0:
-            why = "no disk tier is configured"
-        else:
-            return decision
-        reason = (
-            f"Drop: the policy chose {action.label.lower()} but {why}, so the state is freed "
-            "now and recomputed on return."
-        )
-        return dataclasses.replace(decision, action=PauseAction.DROP, reason=reason)
 
     def _apply(self, session: PausableSession, record: PauseRecord, nodes: list[RadixNode]) -> None:
         traj = session.traj
@@ -377,13 +335,13 @@ class OffloadManager:
             return 0
         now = self.now()
 
-        def next_use(s: PausableSession) -> float:
+        def back_at(s: PausableSession) -> float:
             record = self.records.get(s.session_id)
             if record is None:
                 return now + (now - s.last_used)
-            return self._next_use(record, now)
+            return next_use(record, now)
 
-        victim = max(holders, key=next_use)
+        victim = max(holders, key=back_at)
         nodes = self.exclusive_device_nodes(victim.traj)
         victim.traj.release_kv(keep_in_cache=True)
         record = self.records.get(victim.session_id)

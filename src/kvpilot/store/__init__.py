@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from kvpilot.store.disk import KEY_BYTES, BlockData, DiskBlockStore
+from kvpilot.store.disk import BlockData, DiskBlockStore
 from kvpilot.store.session_store import SessionStore, StoredSession
+from kvpilot.store.slots import KEY_BYTES
 from kvpilot.store.stats import DiskStoreStats
 
 __all__ = [

@@ -27,16 +27,14 @@ from types import TracebackType
 
 import numpy as np
 
-from kvpilot.errors import ConfigError, InvalidRequest, KvpilotError
-from kvpilot.memory.hashing import HASH_BYTES, ModelFingerprint
+from kvpilot.errors import ConfigError, KvpilotError
+from kvpilot.memory.hashing import ModelFingerprint
 from kvpilot.store.faults import DISK_FAULTS, FaultEpisodes
 from kvpilot.store.index import INDEX_FILENAME, BlockIndex, IndexEntry
 from kvpilot.store.slot_file import SlotFile, checksum, lock_directory
-from kvpilot.store.slots import SlotTable
+from kvpilot.store.slots import SlotTable, check_key
 from kvpilot.store.stats import DiskStoreStats, StoreCounters
 from kvpilot.store.writer import BatchWriter
-
-KEY_BYTES = HASH_BYTES
 
 BlockData = bytes | bytearray | memoryview | np.ndarray
 
@@ -147,7 +145,7 @@ class DiskBlockStore:
         self._writer.submit([]).result()
 
     def _prepare(self, key: bytes, data: BlockData) -> _Put:
-        _check_key(key)
+        check_key(key)
         raw = np.ascontiguousarray(data).tobytes() if isinstance(data, np.ndarray) else bytes(data)
         if len(raw) > self.block_bytes:
             raise ConfigError(
@@ -253,7 +251,7 @@ class DiskBlockStore:
         """Verified reads on the caller's thread; a block that fails verification is a miss."""
         self._check_open()
         for key in keys:
-            _check_key(key)
+            check_key(key)
         with self._lock:
             found = [(i, key, self._slots.entries.get(key)) for i, key in enumerate(keys)]
         wanted = sorted(((i, k, e) for i, k, e in found if e is not None), key=lambda t: t[2].slot)
@@ -395,11 +393,3 @@ class DiskBlockStore:
         self._counters.missing += len(lost)
         if size is None or size < self._file.full_size:
             self._file.restore()
-
-
-def _check_key(key: bytes) -> None:
-    if not isinstance(key, bytes) or len(key) != KEY_BYTES:
-        raise InvalidRequest(
-            f"disk store keys are {KEY_BYTES}-byte chained block hashes "
-            f"(kvpilot.memory.hashing.chain_hashes), got {key!r:.60}"
-        )

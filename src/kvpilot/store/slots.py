@@ -10,7 +10,20 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable
 
+from kvpilot.errors import InvalidRequest
+from kvpilot.memory.hashing import HASH_BYTES
 from kvpilot.store.index import IndexEntry
+
+KEY_BYTES = HASH_BYTES
+
+
+def check_key(key: bytes) -> None:
+    """Keys are the 16-byte chained block hashes; anything else is the caller's mistake."""
+    if not isinstance(key, bytes) or len(key) != KEY_BYTES:
+        raise InvalidRequest(
+            f"disk store keys are {KEY_BYTES}-byte chained block hashes "
+            f"(kvpilot.memory.hashing.chain_hashes), got {key!r:.60}"
+        )
 
 
 class SlotTable:
