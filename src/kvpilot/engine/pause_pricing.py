@@ -1,0 +1,70 @@
+"""What the pause rule is told in the engine: the pressure a state faces, when an idle
+session is next used, how much host room is really free, and the fallback when a fixed
+policy asks for a tier the engine lacks. Pure functions over `PauseRecord`s."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+
+from kvpilot.engine.tier_stats import PauseRecord, PauseState
+from kvpilot.policy.breakeven import PauseAction, PauseDecision
+
+
+def next_use(record: PauseRecord, now: float) -> float:
+    """When a paused session is expected back. Overdue: a wait past its prediction is a long
+    one (approvals, slow tools), so expect it to last as long again rather than end at once."""
+    return max(record.expected_return, now + (now - record.paused_at))
+
+
+def pressure_on(
+    pressure: float, records: Iterable[PauseRecord], now: float, kv_bytes: float, wait: float
+) -> float:
+    """The device pressure this pause's state faces: the engine's, times the share of
+    retained idle state that is back sooner than it. When memory is needed, `reclaim`
+    demotes whatever is back last first, so state that others would give way for is under
+    no pressure itself; the one back last feels it all."""
+    pressure = min(1.0, max(0.0, pressure))
+    back = now + wait
+    sooner = later = 0.0
+    for record in records:
+        if record.state is not PauseState.RETAINED:
+            continue
+        if next_use(record, now) > back:
+            later += record.inputs.kv_bytes
+        else:
+            sooner += record.inputs.kv_bytes
+    if later == 0.0:
+        return pressure
+    return pressure * (sooner + kv_bytes) / (sooner + later + kv_bytes)
+
+
+def host_room(
+    free_or_evictable_bytes: float, capacity_bytes: float, records: Iterable[PauseRecord]
+) -> tuple[float, float]:
+    """(free bytes, pressure) of the host tier. Host room is what LRU may evict, less what
+    paused sessions offloaded there and will want back: those bytes are held, not cache
+    (`host.usage` counts both)."""
+    awaited = sum(
+        r.inputs.kv_bytes
+        for r in records
+        if r.action is PauseAction.OFFLOAD_HOST and r.state is PauseState.OFFLOADED
+    )
+    free = max(0.0, free_or_evictable_bytes - awaited)
+    return free, min(1.0, max(0.0, 1.0 - free / max(capacity_bytes, 1.0)))
+
+
+def feasible(decision: PauseDecision, host_bw: float, disk_bw: float) -> PauseDecision:
+    """A fixed policy may ask for a tier this engine lacks: fall back to drop, and say so."""
+    action = decision.action
+    if action is PauseAction.OFFLOAD_HOST and host_bw == 0.0:
+        why = "no host tier is configured"
+    elif action is PauseAction.OFFLOAD_DISK and disk_bw == 0.0:
+        why = "no disk tier is configured"
+    else:
+        return decision
+    reason = (
+        f"Drop: the policy chose {action.label.lower()} but {why}, so the state is freed "
+        "now and recomputed on return."
+    )
+    return dataclasses.replace(decision, action=PauseAction.DROP, reason=reason)
