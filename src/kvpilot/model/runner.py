@@ -180,11 +180,7 @@ class ModelRunner:
     @torch.inference_mode()
     def compute_logits(self, works: Sequence[SeqWork]) -> dict[int, torch.Tensor]:
         """fp32 logits of each work's last position, by seq_id (computes and stores KV too)."""
-        if not works:
-            return {}
-        logits = self._run(works, range(len(works)))
-        assert logits is not None
-        return {work.seq_id: row for work, row in zip(works, logits, strict=True)}
+        return logits_by_seq(works, self._run)
 
     @torch.inference_mode()
     def execute(self, works: Sequence[SeqWork]) -> StepOutput:
@@ -217,6 +213,15 @@ def eos_token_ids(path: Path, config: ModelConfig, tokenizer: Any) -> tuple[int,
 
 
 RunFn = Callable[[Sequence[SeqWork], Sequence[int]], "torch.Tensor | None"]
+
+
+def logits_by_seq(works: Sequence[SeqWork], run: RunFn) -> dict[int, torch.Tensor]:
+    """fp32 logits of each work's last position, by seq_id (``run`` computes KV too)."""
+    if not works:
+        return {}
+    logits = run(works, range(len(works)))
+    assert logits is not None
+    return {work.seq_id: row for work, row in zip(works, logits, strict=True)}
 
 
 def sample_step(works: Sequence[SeqWork], run: RunFn, sampler: Sampler) -> StepOutput:

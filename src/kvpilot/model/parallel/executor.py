@@ -42,7 +42,13 @@ from kvpilot.model.parallel.comm import RankGroups, open_store
 from kvpilot.model.parallel.plan import check_degree
 from kvpilot.model.parallel.rank import RankShard, ShardSpec, to_wire
 from kvpilot.model.parallel.worker import GATHERED_OPS, worker_main
-from kvpilot.model.runner import eos_token_ids, parse_device, parse_dtype, sample_step
+from kvpilot.model.runner import (
+    eos_token_ids,
+    logits_by_seq,
+    parse_device,
+    parse_dtype,
+    sample_step,
+)
 from kvpilot.model.sampler import Sampler
 from kvpilot.model.tokenizer import load_tokenizer
 
@@ -185,11 +191,7 @@ class TensorParallelExecutor:
     @torch.inference_mode()
     def compute_logits(self, works: Sequence[SeqWork]) -> dict[int, torch.Tensor]:
         """fp32 logits of each work's last position, by seq_id (computes and stores KV too)."""
-        if not works:
-            return {}
-        logits = self._run(works, range(len(works)))
-        assert logits is not None
-        return {work.seq_id: row for work, row in zip(works, logits, strict=True)}
+        return logits_by_seq(works, self._run)
 
     @torch.inference_mode()
     def execute(self, works: Sequence[SeqWork]) -> StepOutput:
