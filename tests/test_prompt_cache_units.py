@@ -134,6 +134,9 @@ def test_default_prices_make_cached_reads_a_tenth_of_input(tmp_path) -> None:
     assert ModelPrices().cost(
         input_tokens=10**6, cached_read_tokens=10**6, cache_write_tokens_by_ttl={}, output_tokens=0
     ) == pytest.approx(1.1)
+    path.write_text('[models."out-only"]\noutput = 8.0\n')  # no input: the default's
+    only = PriceTable.load(path).for_model("out-only")
+    assert (only.input, only.output, only.cached_read) == pytest.approx((1.0, 8.0, 0.1))
     path.write_text("[default]\ninptu = 1\n")
     with pytest.raises(ConfigError, match="inptu"):
         PriceTable.load(path)

@@ -285,14 +285,14 @@ def serve(
     from kvpilot.server.ops import GracefulServer, drain_hook
 
     banner.listening(f"http://{host}:{port}")
-    config = uvicorn.Config(
+    server_config = uvicorn.Config(
         app,
         host=host,
         port=port,
         log_level="info",
         timeout_graceful_shutdown=math.ceil(options.shutdown_timeout_s),
     )
-    GracefulServer(config, on_drain=drain_hook(app)).run()
+    GracefulServer(server_config, on_drain=drain_hook(app)).run()
 
 
 def _limits(

@@ -284,7 +284,7 @@ def _fleet(
     from kvpilot.fleet.sim_cli import run_fleet_cli
 
     names = ("mu", "gamma", "l_max_tokens")
-    given = {k: v for k, v in zip(names, knobs, strict=True) if v is not None}
+    given: dict[str, Any] = {k: v for k, v in zip(names, knobs, strict=True) if v is not None}
     run_fleet_cli(
         setup,
         load,

@@ -237,7 +237,7 @@ def _reason(r: TurnResult) -> str:
     """The pause reason, its leading decision in bold."""
     reason = escape(r.pause_reason or "")
     try:
-        label = PauseAction(r.pause_action).label
+        label = PauseAction(r.pause_action or "").label
     except ValueError:
         return reason
     if reason.startswith(label):

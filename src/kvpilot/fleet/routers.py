@@ -20,6 +20,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 import random
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -53,10 +54,13 @@ class Router(Protocol):
     def on_replica_removed(self, replica: str) -> None: ...
 
 
-class _Base:
+class _Base(ABC):
     """Bookkeeping every router shares: queue lengths and pending tokens on the views."""
 
     name = "base"
+
+    @abstractmethod
+    def route(self, request: RouteRequest, now: float) -> RouteDecision: ...
 
     def __init__(self, fleet: FleetView, seed: int = 0) -> None:
         self.fleet = fleet
@@ -71,8 +75,8 @@ class _Base:
         if view is not None:
             view.on_finished()
 
-    def on_replica_removed(self, replica: str) -> None:
-        pass
+    def on_replica_removed(self, replica: str) -> None:  # noqa: B027 (most keep no state)
+        """Forget ``replica`` (routers with per-replica state override this)."""
 
     def _least_ongoing(self, views: list[ReplicaView]) -> ReplicaView:
         low = min(v.ongoing for v in views)

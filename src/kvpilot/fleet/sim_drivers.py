@@ -18,6 +18,7 @@ import dataclasses
 import itertools
 import random
 from dataclasses import dataclass
+from functools import partial
 
 from kvpilot.engine.request import RequestOutput
 from kvpilot.errors import ConfigError
@@ -193,7 +194,7 @@ class FleetReplayDriver(FleetDriver):
         self._fleet = fleet
         for session in self.sessions:
             t = session.calls[0].offset_s * self.time_scale
-            fleet.at(t, lambda s=session: self._begin(s))
+            fleet.at(t, partial(self._begin, session))
 
     def _begin(self, session: ReplaySession) -> None:
         self.started += 1

@@ -51,6 +51,7 @@ def run_fleet(
             workload, families, family_skew, probe.max_model_len
         )
     else:
+        assert not isinstance(workload, WorkloadConfig)
         driver = FleetReplayDriver(list(workload), time_scale)
     fleet.run(driver)
     return FleetResult.collect(fleet, driver.counters())

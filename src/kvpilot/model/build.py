@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from kvpilot.engine.clock import Clock
 from kvpilot.engine.config import DEFAULT_BLOCK_SIZE, EngineConfig, RunnerConfig
 from kvpilot.engine.engine import Engine
+from kvpilot.engine.executor import Executor, TierTransport
 from kvpilot.model.runner import ModelRunner
 from kvpilot.model.transfer import TorchTierTransport
 
@@ -37,6 +38,8 @@ def build_engine(
     """
     config = config or EngineConfig()
     rc = config.runner
+    runner: Executor
+    transport: TierTransport | None
     if rc.tensor_parallel_size > 1:
         from kvpilot.model.parallel.build import build_tensor_parallel
 

@@ -9,6 +9,8 @@ without concatenation) that agree with these to rounding.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 
@@ -41,7 +43,7 @@ class LayerOps:
 
     def rope(self, qk: torch.Tensor, state: object) -> torch.Tensor:
         """q and k heads [T, heads, D] rotated (a new tensor, or ``qk`` rotated in place)."""
-        cos, sin = state  # type: ignore[misc]
+        cos, sin = cast(tuple[torch.Tensor, torch.Tensor], state)
         return apply_rope(qk, cos, sin)
 
     def prepare_linear(self, weight: torch.Tensor) -> torch.Tensor:

@@ -57,9 +57,8 @@ class ModelPrices:
                 if isinstance(v, bool) or not isinstance(v, int | float) or v < 0:
                     raise ConfigError(f"{where}.{name}: a price is a number >= 0, got {v!r}")
                 values[name] = float(v)
-        base = values.get("input", cls.input)
-        values.setdefault("input", base)
-        values.setdefault("output", cls.output)
+        base = values.setdefault("input", _DEFAULT.input)
+        values.setdefault("output", _DEFAULT.output)
         values.setdefault("cached_read", base * CACHED_READ_RATIO)
         values.setdefault("cache_write_5m", base * CACHE_WRITE_RATIO["5m"])
         values.setdefault("cache_write_1h", base * CACHE_WRITE_RATIO["1h"])
@@ -84,6 +83,9 @@ class ModelPrices:
             + sum(n * self.write_price(ttl) for ttl, n in cache_write_tokens_by_ttl.items())
         )
         return total / 1e6
+
+
+_DEFAULT = ModelPrices()
 
 
 @dataclass(frozen=True, slots=True)

@@ -117,7 +117,7 @@ def find_volatile_field(
         differing = [
             k for k, x, y in zip(kinds, pieces_a[::2], pieces_b[::2], strict=True) if x != y
         ]
-        if not differing or None in differing:
+        if not differing or differing[0] is None or None in differing:
             return None
         kind = differing[0]
     return VolatileField(kind, a, b, start_old)

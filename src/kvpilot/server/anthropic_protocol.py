@@ -223,13 +223,14 @@ class MessagesRequest(RequestBody):
                 )
         head = [{"role": "system", "content": _join(system)}] if system else []
         for i, m in enumerate(self.messages):
-            for j, b in enumerate(m.blocks()):
-                if b.cache_control is None:
+            for j, block in enumerate(m.blocks()):
+                if block.cache_control is None:
                     continue
                 msgs = [*head, *(x.template_message() for x in self.messages[:i])]
                 msgs.append(m.template_message(upto=j))
                 where = f"messages[{i}].content[{j}]"
-                marks.append(BreakpointSpec(msgs, all_tools, TTLS_S[b.cache_control.ttl], where))
+                ttl_s = TTLS_S[block.cache_control.ttl]
+                marks.append(BreakpointSpec(msgs, all_tools, ttl_s, where))
         if self.cache_control is not None:  # the last block of the last message
             i = len(self.messages) - 1
             blocks = self.messages[i].blocks()

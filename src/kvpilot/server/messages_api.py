@@ -112,7 +112,7 @@ def _event(kind: str, data: dict[str, Any]) -> str:
 
 
 async def _events(call: Call, body: MessagesRequest) -> AsyncIterator[str]:
-    start = {
+    start: dict[str, Any] = {
         "id": call.request_id,
         "type": "message",
         "role": "assistant",

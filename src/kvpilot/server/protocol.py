@@ -197,7 +197,7 @@ class CompletionRequest(GenerationRequest):
                     f"prompt holds {len(prompt)} prompts; send one prompt per request",
                     param="prompt",
                 )
-            return prompt[0]  # type: ignore[return-value]
+            return prompt[0]
         return prompt  # type: ignore[return-value]
 
 

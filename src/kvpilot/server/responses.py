@@ -196,7 +196,7 @@ def chat_response(call: Call, output: RequestOutput, info: KvpilotInfo) -> dict:
                 )
                 for o in output.outputs
             ],
-            usage=info.usage,  # type: ignore[arg-type]
+            usage=info.usage,
             kvpilot=info.model_copy(update={"usage": None}),
         )
     )

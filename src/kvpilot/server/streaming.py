@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 
 from pydantic import BaseModel
 from starlette.responses import StreamingResponse
@@ -147,7 +147,7 @@ class ChunkMaker:
 
     def __call__(
         self,
-        items: list[tuple[int, str | None, str | None]],
+        items: Sequence[tuple[int, str | None, str | None]],
         *,
         role: bool = False,
         info: KvpilotInfo | None = None,

@@ -103,6 +103,7 @@ def tokenize(
     session: SessionSpec | None,
 ) -> Tokenized:
     """Worker thread: render and tokenise ``prompt`` (reads only the engine's constants)."""
+    text: str | None
     if prompt.messages is not None:
         messages = prompt.messages
         full = session is None or not session.has_history

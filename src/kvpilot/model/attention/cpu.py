@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -165,7 +166,7 @@ class CpuKernelOps(LayerOps):
         return rope, positions.contiguous()
 
     def rope(self, qk: torch.Tensor, state: object) -> torch.Tensor:
-        table, positions = state  # type: ignore[misc]
+        table, positions = cast(tuple[RopeTable, torch.Tensor], state)
         code = KERNEL_DTYPES.get(qk.dtype)
         if code is None or qk.stride(2) != 1 or qk.stride(1) != qk.shape[2]:
             cos, sin = table.lookup(positions)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from kvpilot.engine.config import DEFAULT_BLOCK_SIZE, RunnerConfig
 from kvpilot.model.loader import LoadProgress
@@ -19,7 +20,7 @@ def build_tensor_parallel(
     """The executor over ``rc.tensor_parallel_size`` ranks and, with tiers, its transport.
     ``kv_memory_bytes`` sizes each rank's pool; ``host_memory_bytes`` is the node's host tier
     (each rank's host pool holds its shard of every host block)."""
-    given = {"dtype": rc.dtype, "device": rc.device, "attention": rc.attention}
+    given: dict[str, Any] = {"dtype": rc.dtype, "device": rc.device, "attention": rc.attention}
     executor = TensorParallelExecutor(
         model,
         rc.tensor_parallel_size,

@@ -111,7 +111,7 @@ class RankGroups:
         """The smallest of every rank's ``value``."""
         t = torch.tensor([value], dtype=torch.int64)
         opts = dist.AllreduceOptions()
-        opts.reduceOp = dist.ReduceOp.MIN
+        opts.reduceOp = dist.ReduceOp.MIN  # type: ignore[assignment]  # the stubs want ReduceOp
         self.control.allreduce([t], opts).wait()
         return int(t.item())
 
