@@ -59,7 +59,7 @@ class ThrottledDiskStore:
             on_settle=self._observer(self.read_bw, nbytes),
         )
 
-    def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
+    def get_many(self, keys: Sequence[bytes]) -> list[memoryview | None]:
         start, finish = self.link.reserve("read", len(keys) * self.block_bytes)
         out = self.inner.get_many(keys)
         delay = finish - self.link.clock()
@@ -68,7 +68,7 @@ class ThrottledDiskStore:
         self.read_bw.observe(len(keys) * self.block_bytes, max(finish, self.link.clock()) - start)
         return out
 
-    def get(self, key: bytes) -> bytes | None:
+    def get(self, key: bytes) -> memoryview | None:
         return self.get_many([key])[0]
 
     @property

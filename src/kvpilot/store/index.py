@@ -16,7 +16,9 @@ from kvpilot.memory.hashing import ModelFingerprint
 log = logging.getLogger(__name__)
 
 INDEX_FILENAME = "index.sqlite3"
-SCHEMA_VERSION = 1
+# 1: blake2b-16 checksums. 2: XXH3-128 (a version-1 store's blocks are dropped on open).
+SCHEMA_VERSION = 2
+_OLD_CHECKSUMS = 1
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS geometry (
@@ -99,7 +101,7 @@ class BlockIndex:
         # which loses rows, never points a row at unwritten data.
         conn.execute("PRAGMA synchronous=NORMAL")
         version = conn.execute("PRAGMA user_version").fetchone()[0]
-        if version not in (0, SCHEMA_VERSION):
+        if version not in (0, _OLD_CHECKSUMS, SCHEMA_VERSION):
             raise ConfigError(
                 f"{self.path} has index schema version {version}, this kvpilot reads "
                 f"version {SCHEMA_VERSION}; remove the directory to start an empty store"
@@ -109,6 +111,13 @@ class BlockIndex:
         wanted = {"num_slots": num_slots, "block_bytes": block_bytes}
         if stored and model is not None and self._other_model(model):
             stored = {}  # the other model's blocks go: start over in this geometry
+        if stored and version == _OLD_CHECKSUMS:
+            log.warning(
+                "disk store at %s was written by an older kvpilot (other block checksums): "
+                "its blocks are dropped, their slots reused",
+                self.path.parent,
+            )
+            stored = {}
         if not stored:
             conn.execute("BEGIN")
             conn.execute("DELETE FROM blocks")

@@ -8,7 +8,8 @@ Not thread-safe: `DiskBlockStore` holds its lock around every call.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 from kvpilot.errors import InvalidRequest
 from kvpilot.memory.hashing import HASH_BYTES
@@ -26,6 +27,14 @@ def check_key(key: bytes) -> None:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class Planned:
+    """A put given a slot: ``item`` is its position in the batch."""
+
+    slot: int
+    item: int
+
+
 class SlotTable:
     def __init__(self, num_slots: int, entries: Iterable[tuple[bytes, IndexEntry]]) -> None:
         self.num_slots = num_slots
@@ -36,6 +45,35 @@ class SlotTable:
         self.pins: dict[bytes, int] = {}
         self.pending_deletes: set[bytes] = set()  # rows to delete at the next commit
         self.touched: set[bytes] = set()  # rows whose access time the next commit writes
+
+    def plan(
+        self, keys: Sequence[bytes], now: float
+    ) -> tuple[list[bool], dict[bytes, Planned], int]:
+        """Slots for a batch of puts, in order (a later key may evict an earlier one): a key
+        already stored is touched; each other key takes a free slot, else the least recently
+        used unpinned block's, else the oldest slot planned in this batch (that key counts as
+        stored, then evicted); a key with none of those is refused (False). Returns the
+        results, the planned keys in order, and how many blocks were evicted."""
+        results = [True] * len(keys)
+        evictions = 0
+        planned: dict[bytes, Planned] = {}
+        for i, key in enumerate(keys):
+            if key in self.entries:
+                self.touch(key, now)
+                continue
+            if key in planned:
+                continue
+            slot = self.take_free()
+            if slot is None:
+                slot = self.evict_lru()
+                if slot is None and planned:
+                    slot = planned.pop(next(iter(planned))).slot
+                if slot is None:
+                    results[i] = False
+                    continue
+                evictions += 1
+            planned[key] = Planned(slot, i)
+        return results, planned, evictions
 
     def take_free(self) -> int | None:
         """A free slot, now in flight (None when none is free)."""

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvpilot.policy.meters import RateMeter
+from kvpilot.store.index import IndexEntry
+from kvpilot.store.slots import SlotTable
 
 STORE_BW_ALPHA = 0.25
 
@@ -71,3 +73,40 @@ class StoreCounters:
             read_bw_bytes_s=self.read_bw.get(0.0),
             write_bw_bytes_s=self.write_bw.get(0.0),
         )
+
+
+def account_reads(
+    slots: SlotTable,
+    c: StoreCounters,
+    found: list[tuple[int, bytes, IndexEntry | None]],
+    verdicts: dict[int, str],
+    nbytes: int,
+    elapsed: float,
+    now: float,
+) -> list[int | None]:
+    """Counts a batch of reads (``found``: position, key, row or None; ``verdicts``: "ok",
+    "corrupt" or "missing" per position read) and drops the rows of damaged blocks; returns
+    each position's verified length, None for a miss. The store holds its lock."""
+    out: list[int | None] = [None] * len(found)
+    if verdicts:
+        c.read_bw.observe(nbytes, elapsed)
+    for i, key, entry in found:
+        verdict = "absent" if entry is None else verdicts[i]
+        if verdict == "ok":
+            assert entry is not None
+            out[i] = entry.length
+            c.hits += 1
+            c.blocks_read += 1
+            c.bytes_read += entry.length
+            if slots.entries.get(key) is entry:
+                slots.touch(key, now)
+            continue
+        c.misses += 1
+        # A block evicted or dropped while we read it is a plain miss, not damage.
+        if verdict != "absent" and slots.entries.get(key) is entry:
+            slots.drop(key)
+            if verdict == "corrupt":
+                c.corrupt += 1
+            else:
+                c.missing += 1
+    return out
