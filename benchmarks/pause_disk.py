@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpilot.store import DiskBlockStore
-from kvpilot.store.slot_file import aligned_buffer
+from kvpilot.store.buffers import aligned_buffer
 
 CHUNK = 8 << 20
 BATCH = 64

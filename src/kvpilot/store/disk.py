@@ -26,7 +26,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -35,9 +35,10 @@ import numpy as np
 
 from kvpilot.errors import ConfigError, InvalidRequest, KvpilotError
 from kvpilot.memory.hashing import ModelFingerprint
+from kvpilot.store.buffers import ReadBuffers, aligned_buffer
 from kvpilot.store.faults import DISK_FAULTS, FaultEpisodes
 from kvpilot.store.index import INDEX_FILENAME, BlockIndex, IndexEntry
-from kvpilot.store.slot_file import SlotFile, aligned_buffer, checksum, lock_directory
+from kvpilot.store.slot_file import SlotFile, checksum, lock_directory
 from kvpilot.store.slots import Planned, SlotTable, check_key
 from kvpilot.store.stats import DiskStoreStats, StoreCounters, account_reads
 from kvpilot.store.writer import BatchWriter
@@ -124,8 +125,11 @@ class DiskBlockStore:
             self._index.close()
             os.close(self._lock_fd)
             raise
-        self._chunk = max(1, STAGING_BYTES // block_bytes)
-        self._staging: memoryview | None = None  # mapped on the first write, then reused
+        # Two staging buffers, mapped now and reused for the store's lifetime.
+        self._chunk = max(1, min(num_slots, STAGING_BYTES // block_bytes))
+        self._staging = [aligned_buffer(self._chunk * block_bytes, populate=True) for _ in "ab"]
+        self._read_buffers = ReadBuffers()
+        self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvpilot-disk-io")
         self._writer: BatchWriter[_Put, bool] = BatchWriter(
             self._write_batch, name="kvpilot-disk-writer", max_batch=max_batch_blocks
         )
@@ -201,22 +205,29 @@ class DiskBlockStore:
         self, items: list[_Put], planned: dict[bytes, Planned], now: float
     ) -> list[tuple[bytes, IndexEntry]]:
         """Stages, checksums and writes the planned blocks in slot order, a staging buffer at
-        a time, then fsyncs once; returns their index rows (not committed yet)."""
+        a time, then fsyncs once; returns their index rows (not committed yet). Two staging
+        buffers take turns: this thread fills one while the I/O thread writes the other."""
         b = self.block_bytes
         order = sorted(planned.items(), key=lambda kv: kv[1].slot)
-        if self._staging is None:
-            self._staging = aligned_buffer(self._chunk * b)
-        staging = self._staging
         rows = []
-        for first in range(0, len(order), self._chunk):
-            writes = []
-            for j, (key, p) in enumerate(order[first : first + self._chunk]):
-                data = items[p.item].data
-                staging[j * b : j * b + len(data)] = data
-                sums = checksum(staging[j * b : j * b + len(data)])
-                rows.append((key, IndexEntry(p.slot, len(data), sums, now, now)))
-                writes.append((p.slot, staging[j * b : (j + 1) * b]))
-            self._write_slots(writes)
+        writing: list[Future[None]] = []
+        try:
+            for n, first in enumerate(range(0, len(order), self._chunk)):
+                if len(writing) >= 2:
+                    writing[-2].result()  # its buffer is the one to fill now
+                staging = self._staging[n % 2]
+                writes = []
+                for j, (key, p) in enumerate(order[first : first + self._chunk]):
+                    data = items[p.item].data
+                    staging[j * b : j * b + len(data)] = data
+                    sums = checksum(staging[j * b : j * b + len(data)])
+                    rows.append((key, IndexEntry(p.slot, len(data), sums, now, now)))
+                    writes.append((p.slot, staging[j * b : (j + 1) * b]))
+                writing.append(self._io.submit(self._write_slots, writes))
+        finally:
+            wait(writing)  # no write may still read a staging buffer when this returns
+        for done in writing:
+            done.result()
         if self._fsync:
             self._file.sync()
         return rows
@@ -242,10 +253,11 @@ class DiskBlockStore:
         return self.get_many([key])[0]
 
     def get_many(self, keys: Sequence[bytes]) -> list[memoryview | None]:
-        """Verified reads on the caller's thread, into one new page-aligned buffer: each block
-        is a view of it (writable, so ``torch.frombuffer`` takes it without a copy); a block
-        that fails verification is a miss (None)."""
-        buf = aligned_buffer(len(keys) * self.block_bytes)
+        """Verified reads on the caller's thread into one page-aligned buffer, each block a view
+        of it (writable, so ``torch.frombuffer`` takes it without a copy); a block that fails
+        verification is a miss (None). The buffer is reused by a later call once every view
+        of it is gone (`ReadBuffers`): drop the blocks when done with them."""
+        buf = self._read_buffers.take(len(keys) * self.block_bytes)
         lengths = self.read_into(keys, buf)
         b = self.block_bytes
         return [None if n is None else buf[i * b : i * b + n] for i, n in enumerate(lengths)]
@@ -344,6 +356,7 @@ class DiskBlockStore:
         try:
             self._writer.close()
             self._reader.shutdown(wait=True)
+            self._io.shutdown(wait=True)
             try:
                 self._commit()
             except DISK_FAULTS as exc:  # the index keeps its last good state

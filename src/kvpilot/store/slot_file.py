@@ -16,22 +16,20 @@ buffer had; reads check ``length`` bytes only. Elsewhere it is buffered I/O of t
 from __future__ import annotations
 
 import fcntl
-import mmap
 import os
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
-import numpy as np
 import xxhash
 
 from kvpilot.errors import ConfigError
+from kvpilot.store.buffers import ALIGN, is_aligned
 
 DATA_FILENAME = "blocks.dat"
 LOCK_FILENAME = "LOCK"
 CHECKSUM_BYTES = 16
 IOV_MAX = 1024
-ALIGN = 4096  # O_DIRECT offsets, lengths and buffer addresses are multiples of this
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 
@@ -39,15 +37,6 @@ def checksum(data: bytes | memoryview) -> bytes:
     """XXH3-128 of ``data``: ~20 GB/s per core, so verifying costs little next to the disk; a
     damage check, not a defence against someone forging blocks in the store's own folder."""
     return xxhash.xxh3_128_digest(data)
-
-
-def aligned_buffer(nbytes: int) -> memoryview:
-    """A writable, zero-filled, page-aligned buffer of ``nbytes`` (anonymous memory)."""
-    return memoryview(mmap.mmap(-1, max(nbytes, 1)))[:nbytes]
-
-
-def is_aligned(buf: memoryview) -> bool:
-    return buf.nbytes == 0 or np.frombuffer(buf, np.uint8).ctypes.data % ALIGN == 0
 
 
 def runs(

@@ -1,0 +1,70 @@
+"""Page-aligned buffers for the disk store's direct I/O, and a pool that reuses them.
+
+Fresh anonymous memory is costly here: every page faults and is zeroed the first time it is
+touched, about 1-2 GB/s of CPU, the same order as the disk itself. So the store keeps its
+buffers mapped and reuses them: the writer's staging buffers for its lifetime, and the
+buffers ``get_many`` reads into once every view handed out of one is gone.
+"""
+
+from __future__ import annotations
+
+import mmap
+import sys
+import threading
+
+import numpy as np
+
+ALIGN = 4096  # O_DIRECT offsets, lengths and buffer addresses are multiples of this
+
+
+def aligned_buffer(nbytes: int, *, populate: bool = False) -> memoryview:
+    """A writable, zero-filled, page-aligned buffer of ``nbytes`` (anonymous memory);
+    ``populate`` maps its pages now (one bulk fault instead of one per page later)."""
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+    if populate:
+        flags |= getattr(mmap, "MAP_POPULATE", 0)
+    return memoryview(mmap.mmap(-1, max(nbytes, 1), flags=flags))[:nbytes]
+
+
+def is_aligned(buf: memoryview) -> bool:
+    return buf.nbytes == 0 or np.frombuffer(buf, np.uint8).ctypes.data % ALIGN == 0
+
+
+class ReadBuffers:
+    """Buffers for reads whose blocks are handed out as views: a buffer is reused once no
+    view of it is left (its reference count is back to the pool's own), so a loader that
+    drops each read's blocks after copying them reads into memory already mapped.
+
+    At most ``slots`` buffers are kept, none over ``max_bytes``; a read that finds none free
+    gets a new buffer (kept if there is room). Thread-safe.
+    """
+
+    def __init__(self, *, slots: int = 4, max_bytes: int = 64 << 20) -> None:
+        self.slots = slots
+        self.max_bytes = max_bytes
+        self._kept: list[mmap.mmap] = []
+        self._lock = threading.Lock()
+        self.reused = 0  # reads that found a free buffer
+        self.mapped = 0  # reads that mapped a new one
+
+    def take(self, nbytes: int) -> memoryview:
+        """A page-aligned writable view of at least ``nbytes``, no other view of which exists."""
+        with self._lock:
+            free = [i for i in self._idle() if len(self._kept[i]) >= nbytes]
+            if free:
+                self.reused += 1
+                return memoryview(self._kept[min(free, key=lambda i: len(self._kept[i]))])[:nbytes]
+            self.mapped += 1
+            m = mmap.mmap(-1, max(nbytes, 1))
+            if nbytes <= self.max_bytes:
+                idle = self._idle()
+                if len(self._kept) >= self.slots and idle:
+                    del self._kept[min(idle, key=lambda i: len(self._kept[i]))]
+                if len(self._kept) < self.slots:
+                    self._kept.append(m)
+            return memoryview(m)[:nbytes]
+
+    def _idle(self) -> list[int]:
+        """Positions of the kept buffers no view of which is left: referenced by the list and
+        getrefcount's argument only (each view holds one more, through its buffer)."""
+        return [i for i in range(len(self._kept)) if sys.getrefcount(self._kept[i]) <= 2]
