@@ -4,12 +4,13 @@ Raw: sequential writes of 8 MiB chunks with O_DIRECT (page cache bypassed; plain
 fsync where the filesystem refuses it), fsync at the end, then the same bytes read back with
 O_DIRECT. Store: `DiskBlockStore` (checksums and fsync on, as the engine runs it) writes the
 same amount as KV blocks in offloads of 64 blocks, flushes (every batch the writer takes is
-fsynced), and reads them back by key, 64 at a time, twice: ``read_into`` a reused page-aligned
-buffer (how a loader with its own staging buffer reads: the headline ``disk_read_fraction_raw``)
-and ``get_many`` (a new buffer per call, whose fresh pages cost page faults). The page cache is
-dropped for the store's files before each read pass (posix_fadvise DONTNEED; the store writes
-with direct I/O where it can, so little is cached anyway). Fractions are store / raw; the CPU
-seconds (all threads of this process) show what each costs beside the disk's own time.
+fsynced), and reads them back by key, 64 at a time, twice: ``get_many`` (what the engine's
+loader calls: the headline ``disk_read_fraction_raw``) and ``read_into`` a reused page-aligned
+buffer. The page cache is dropped for the store's files before each read pass
+(posix_fadvise DONTNEED; the store writes with direct I/O where it can, so little is cached
+anyway). Each store pass runs right after the raw pass it is compared with, as the disk's
+speed drifts on a shared machine. Fractions are store / raw; the CPU seconds (all threads of
+this process) show what each pass costs beside the disk's own time.
 
 Standalone: ``python benchmarks/pause_disk.py [--runs 3] [--mib 256] [--dir FOLDER]`` prints a
 row per run and one JSON line of medians.
@@ -56,37 +57,33 @@ class _Timer:
         self.cpu = time.process_time() - self.cpu
 
 
-def raw_bandwidth(folder: Path, total_bytes: int) -> dict[str, Any]:
-    """Sequential direct I/O in ``folder``: bytes/s and CPU seconds of writing then reading."""
-    path = folder / "raw-probe.bin"
-    buf = mmap.mmap(-1, CHUNK)  # page-aligned, as O_DIRECT wants
-    buf.write(os.urandom(CHUNK))
-    n = max(1, total_bytes // CHUNK)
-    fd, direct = _open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-    with _Timer() as w:
+class _Raw:
+    """Sequential direct I/O of ``total_bytes`` in 8 MiB chunks to a file in ``folder``."""
+
+    def __init__(self, folder: Path, total_bytes: int) -> None:
+        self.path = folder / "raw-probe.bin"
+        self.buf = mmap.mmap(-1, CHUNK)  # page-aligned, as O_DIRECT wants
+        self.buf.write(os.urandom(CHUNK))
+        self.n = max(1, total_bytes // CHUNK)
+        self.direct = False
+
+    def write(self) -> None:
+        fd, self.direct = _open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         try:
-            for i in range(n):
-                os.pwrite(fd, buf, i * CHUNK)
+            for i in range(self.n):
+                os.pwrite(fd, self.buf, i * CHUNK)
             os.fsync(fd)
         finally:
             os.close(fd)
-    _drop_cache(path)
-    fd, _ = _open(path, os.O_RDONLY)
-    with _Timer() as r:
+        _drop_cache(self.path)
+
+    def read(self) -> None:
+        fd, _ = _open(self.path, os.O_RDONLY)
         try:
-            for i in range(n):
-                os.preadv(fd, [buf], i * CHUNK)
+            for i in range(self.n):
+                os.preadv(fd, [self.buf], i * CHUNK)
         finally:
             os.close(fd)
-    path.unlink()
-    nbytes = n * CHUNK
-    return {
-        "write": nbytes / w.wall,
-        "read": nbytes / r.wall,
-        "write_cpu_s": w.cpu,
-        "read_cpu_s": r.cpu,
-        "direct": direct,
-    }
 
 
 def _drop_cache(path: Path) -> None:
@@ -98,75 +95,63 @@ def _drop_cache(path: Path) -> None:
         os.close(fd)
 
 
-def store_bandwidth(folder: Path, total_bytes: int, block_bytes: int) -> dict[str, Any]:
-    """The disk store moving ``total_bytes`` of blocks: bytes/s and CPU seconds of the write,
-    of reading into a reused buffer, and of ``get_many``."""
+def disk_figures(folder: Path, total_bytes: int, block_bytes: int) -> dict[str, Any]:
+    """Raw and store side by side, each store pass right after the raw pass it is compared
+    with (the disk's speed drifts on a shared machine): raw write, store write, raw read,
+    store ``get_many``, store ``read_into``."""
+    raw = _Raw(folder, total_bytes)
     n = max(BATCH, total_bytes // block_bytes)
     blob = os.urandom(block_bytes)
     keys = [i.to_bytes(16, "little") for i in range(n)]
     store = DiskBlockStore(folder / "store", n, block_bytes)
-    out: dict[str, Any] = {}
+    staging = aligned_buffer(BATCH * block_bytes)  # a loader's reused staging buffer
+    rate: dict[str, float] = {}
+    cpu: dict[str, float] = {}
 
-    def drop() -> None:
-        for data_file in (folder / "store").iterdir():
-            if data_file.is_file():
-                _drop_cache(data_file)
-
-    def timed(name: str, body: Callable[[], None]) -> None:
+    def timed(name: str, nbytes: int, body: Callable[[], None]) -> None:
         with _Timer() as t:
             body()
-        out[name], out[f"{name}_cpu_s"] = n * block_bytes / t.wall, t.cpu
+        rate[name], cpu[name] = nbytes / t.wall, round(t.cpu, 3)
 
-    def write() -> None:
+    def store_write() -> None:
         futures = [
             store.put_many([(k, blob) for k in keys[i : i + BATCH]]) for i in range(0, n, BATCH)
         ]
         store.flush()
         assert all(all(f.result()) for f in futures)
-
-    staging = aligned_buffer(BATCH * block_bytes)  # a loader's reused staging buffer
-
-    def read_into() -> None:
-        for i in range(0, n, BATCH):
-            got = store.read_into(keys[i : i + BATCH], staging)
-            assert all(g == block_bytes for g in got)
+        for data_file in (folder / "store").iterdir():
+            if data_file.is_file():
+                _drop_cache(data_file)
 
     def get_many() -> None:
         for i in range(0, n, BATCH):
             got = store.get_many(keys[i : i + BATCH])
             assert all(g is not None for g in got)
 
+    def read_into() -> None:
+        for i in range(0, n, BATCH):
+            got = store.read_into(keys[i : i + BATCH], staging)
+            assert all(g == block_bytes for g in got)
+
     try:
-        timed("write", write)
-        drop()
-        timed("read", read_into)
-        drop()
-        timed("get_many", get_many)
+        timed("raw_write", raw.n * CHUNK, raw.write)
+        timed("store_write", n * block_bytes, store_write)
+        timed("raw_read", raw.n * CHUNK, raw.read)
+        timed("store_read", n * block_bytes, get_many)
+        for data_file in (folder / "store").iterdir():
+            if data_file.is_file():
+                _drop_cache(data_file)
+        timed("store_read_into", n * block_bytes, read_into)
     finally:
         store.close()
-    return out
-
-
-def disk_figures(folder: Path, total_bytes: int, block_bytes: int) -> dict[str, Any]:
-    raw = raw_bandwidth(folder, total_bytes)
-    st = store_bandwidth(folder, total_bytes, block_bytes)
+        raw.path.unlink(missing_ok=True)
     return {
-        "raw_write_mb_s": round(raw["write"] / 1e6, 1),
-        "raw_read_mb_s": round(raw["read"] / 1e6, 1),
-        "raw_direct_io": raw["direct"],
-        "store_write_mb_s": round(st["write"] / 1e6, 1),
-        "store_read_mb_s": round(st["read"] / 1e6, 1),
-        "store_get_many_mb_s": round(st["get_many"] / 1e6, 1),
-        "disk_write_fraction_raw": round(st["write"] / raw["write"], 3),
-        "disk_read_fraction_raw": round(st["read"] / raw["read"], 3),
-        "disk_get_many_fraction_raw": round(st["get_many"] / raw["read"], 3),
-        "cpu_s": {
-            "raw_write": round(raw["write_cpu_s"], 3),
-            "raw_read": round(raw["read_cpu_s"], 3),
-            "store_write": round(st["write_cpu_s"], 3),
-            "store_read": round(st["read_cpu_s"], 3),
-            "store_get_many": round(st["get_many_cpu_s"], 3),
-        },
+        **{f"{k}_mb_s": round(v / 1e6, 1) for k, v in rate.items()},
+        "raw_direct_io": raw.direct,
+        "disk_write_fraction_raw": round(rate["store_write"] / rate["raw_write"], 3),
+        "disk_read_fraction_raw": round(rate["store_read"] / rate["raw_read"], 3),
+        "disk_read_into_fraction_raw": round(rate["store_read_into"] / rate["raw_read"], 3),
+        "cpu_s": cpu,
         "block_bytes": block_bytes,
         "total_bytes": total_bytes,
     }
@@ -186,8 +171,8 @@ def main() -> None:
         "raw_read_mb_s",
         "store_read_mb_s",
         "disk_read_fraction_raw",
-        "store_get_many_mb_s",
-        "disk_get_many_fraction_raw",
+        "store_read_into_mb_s",
+        "disk_read_into_fraction_raw",
     )
     print("run " + " ".join(f"{c.replace('_mb_s', ''):>14s}" for c in cols) + "  cpu_s")
     runs = []
