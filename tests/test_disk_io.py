@@ -231,3 +231,18 @@ def test_a_store_with_the_old_checksums_drops_its_blocks_with_a_warning(
     assert "older kvpilot" in caplog.text
     with sqlite3.connect(tmp_path / INDEX_FILENAME) as conn:
         assert conn.execute("PRAGMA user_version").fetchone()[0] == 2
+
+
+def test_read_buffers_keep_at_most_their_budget_and_let_idle_ones_go() -> None:
+    pool = ReadBuffers(slots=2, max_bytes=4 * BLOCK)
+    a, b = pool.take(BLOCK), pool.take(2 * BLOCK)
+    c = pool.take(3 * BLOCK)  # over budget while a and b are held: not kept
+    assert len(pool._kept) == 2
+    del a
+    d = pool.take(3 * BLOCK)  # a's buffer goes to make room... still over budget with b's
+    assert len(pool._kept) == 1
+    del b, c
+    e = pool.take(3 * BLOCK)  # b's goes too; now it fits
+    assert [len(k) for k in pool._kept] == [3 * BLOCK]
+    del d, e
+    assert pool.take(3 * BLOCK) and pool.reused == 1

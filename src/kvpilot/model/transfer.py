@@ -141,9 +141,9 @@ class TorchTierTransport:
                 (len(blocks), *self._block_shape), dtype=view_dtype, pin_memory=cuda
             )
             for i, d in enumerate(data):
-                staged[i].copy_(
-                    torch.frombuffer(bytearray(d), dtype=view_dtype).view(staged[i].shape)
-                )
+                # The disk store's blocks are writable views: read in place, no copy first.
+                src = d if isinstance(d, memoryview) and not d.readonly else bytearray(d)
+                staged[i].copy_(torch.frombuffer(src, dtype=view_dtype).view(staged[i].shape))
             if dtype == torch.bfloat16:
                 staged = staged.view(torch.bfloat16)
             on_device = staged.to(self.device, non_blocking=True)

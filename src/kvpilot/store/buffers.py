@@ -35,8 +35,9 @@ class ReadBuffers:
     view of it is left (its reference count is back to the pool's own), so a loader that
     drops each read's blocks after copying them reads into memory already mapped.
 
-    At most ``slots`` buffers are kept, none over ``max_bytes``; a read that finds none free
-    gets a new buffer (kept if there is room). Thread-safe.
+    At most ``slots`` buffers of ``max_bytes`` in all are kept; a read that finds none free
+    gets a new buffer, kept if there is room (made by letting the smallest idle one go).
+    Thread-safe.
     """
 
     def __init__(self, *, slots: int = 4, max_bytes: int = 64 << 20) -> None:
@@ -56,13 +57,16 @@ class ReadBuffers:
                 return memoryview(self._kept[min(free, key=lambda i: len(self._kept[i]))])[:nbytes]
             self.mapped += 1
             m = mmap.mmap(-1, max(nbytes, 1))
-            if nbytes <= self.max_bytes:
-                idle = self._idle()
-                if len(self._kept) >= self.slots and idle:
-                    del self._kept[min(idle, key=lambda i: len(self._kept[i]))]
-                if len(self._kept) < self.slots:
-                    self._kept.append(m)
+            idle = sorted((self._kept[i] for i in self._idle()), key=len)
+            while idle and not self._fits(len(m)):
+                self._kept.remove(idle.pop(0))  # the smallest idle buffer makes room
+            if self._fits(len(m)):
+                self._kept.append(m)
             return memoryview(m)[:nbytes]
+
+    def _fits(self, nbytes: int) -> bool:
+        kept = sum(len(k) for k in self._kept)
+        return len(self._kept) < self.slots and kept + nbytes <= self.max_bytes
 
     def _idle(self) -> list[int]:
         """Positions of the kept buffers no view of which is left: referenced by the list and
