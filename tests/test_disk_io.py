@@ -3,6 +3,7 @@ caller's buffer, and the index format change of the checksums."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import sqlite3
@@ -23,6 +24,7 @@ from kvpilot.store import DiskBlockStore
 from kvpilot.store.buffers import ReadBuffers, aligned_buffer, is_aligned
 from kvpilot.store.index import INDEX_FILENAME
 from kvpilot.store.slot_file import runs
+from kvpilot.store.staging import StagedWrites
 
 BLOCK = 4096  # a page: the store uses direct I/O where the file system allows
 
@@ -63,6 +65,21 @@ def test_runs_cover_every_pair_once_and_merge_exactly_the_consecutive_ones(
     for i in range(len(pairs) - 1):  # a run ends exactly where the next pair cannot follow
         follows = pairs[i + 1][1] == pairs[i][1] + 1 and whole[i]
         assert (i in ends) == (not follows)
+
+
+@given(st.integers(1, 64), st.integers(0, 300))
+def test_staging_shares_cover_a_batch_in_order_and_ramp_up_to_a_buffer(
+    chunk: int, count: int
+) -> None:
+    staged = StagedWrites.__new__(StagedWrites)  # the arithmetic only: no buffers, no thread
+    staged.chunk = chunk
+    shares = staged.chunks(count)
+    assert [i for a, b in shares for i in range(a, b)] == list(range(count))
+    sizes = [b - a for a, b in shares]
+    assert all(1 <= n <= chunk for n in sizes)
+    assert all(b >= min(chunk, 2 * a) for a, b in itertools.pairwise(sizes[:-1]))
+    if count >= chunk:
+        assert sizes[0] <= max(1, chunk // 8)
 
 
 # -- writes -----------------------------------------------------------------------------------

@@ -2,8 +2,9 @@
 
 A batch of blocks goes to disk a buffer at a time: the writer thread copies blocks into one
 buffer (whole slots, so direct I/O can take them) and checksums them there, while the I/O
-thread writes the other. The buffers are mapped (and their pages faulted in) once, when the
-store opens, and reused for its lifetime: fresh pages would cost a page fault each.
+thread writes the other (the first shares are small, so the disk starts early). The buffers
+are mapped (and their pages faulted in) once, when the store opens, and reused for its
+lifetime: fresh pages would cost a page fault each.
 """
 
 from __future__ import annotations
@@ -36,12 +37,12 @@ class StagedWrites:
         sums: list[bytes] = []
         writing: list[Future[None]] = []
         try:
-            for n, first in enumerate(range(0, len(blocks), self.chunk)):
+            for n, (first, end) in enumerate(self.chunks(len(blocks))):
                 if len(writing) >= 2:
                     writing[-2].result()  # its buffer is the one to fill now
                 staging = self._buffers[n % 2]
                 writes: Writes = []
-                for j, (slot, data) in enumerate(blocks[first : first + self.chunk]):
+                for j, (slot, data) in enumerate(blocks[first:end]):
                     staging[j * b : j * b + len(data)] = data
                     sums.append(digest(staging[j * b : j * b + len(data)]))
                     writes.append((slot, staging[j * b : (j + 1) * b]))
@@ -51,6 +52,18 @@ class StagedWrites:
         for done in writing:
             done.result()
         return sums
+
+    def chunks(self, count: int) -> list[tuple[int, int]]:
+        """[first, end) of each buffer's share of ``count`` blocks: an eighth of a buffer
+        first, then doubling up to a whole one, so the disk starts after a short copy and
+        each copy is shorter than the write it overlaps."""
+        out: list[tuple[int, int]] = []
+        size = max(1, self.chunk // 8)
+        first = 0
+        while first < count:
+            out.append((first, min(count, first + size)))
+            first, size = first + size, min(self.chunk, 2 * size)
+        return out
 
     def close(self) -> None:
         self._io.shutdown(wait=True)
