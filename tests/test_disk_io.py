@@ -3,6 +3,7 @@ caller's buffer, and the index format change of the checksums."""
 
 from __future__ import annotations
 
+import errno
 import itertools
 import logging
 import os
@@ -263,3 +264,23 @@ def test_read_buffers_keep_at_most_their_budget_and_let_idle_ones_go() -> None:
     assert [len(k) for k in pool._kept] == [3 * BLOCK]
     del d, e
     assert pool.take(3 * BLOCK) and pool.reused == 1
+
+
+def test_a_file_system_without_direct_io_gets_buffered_io(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_open = os.open
+    direct = getattr(os, "O_DIRECT", 0)
+
+    def no_direct(path: object, flags: int, *args: int) -> int:
+        if direct and flags & direct:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *args)  # type: ignore[arg-type]
+
+    with DiskBlockStore(tmp_path, 8, BLOCK, fsync=True) as s:
+        monkeypatch.setattr(os, "open", no_direct)
+        assert s.put_many([(key(i), block(i)) for i in range(8)]).result() == [True] * 8
+        assert [bytes(b or b"") for b in s.get_many([key(i) for i in range(8)])] == [
+            block(i) for i in range(8)
+        ]
+        assert not s._file.direct

@@ -15,6 +15,7 @@ buffer had; reads check ``length`` bytes only. Elsewhere it is buffered I/O of t
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import shutil
@@ -104,7 +105,7 @@ class SlotFile:
             try:
                 return os.open(self.path, flags | _O_DIRECT), True
             except OSError as exc:
-                if exc.errno != 22:  # EINVAL: this file system does not do direct I/O
+                if exc.errno != errno.EINVAL:  # this file system does not do direct I/O
                     raise
                 self.direct = False
         return os.open(self.path, flags), False
