@@ -70,9 +70,9 @@ class DiskBlockStore:
 
     ``get`` reads on the caller's thread (``get_async`` on a reader thread) and verifies every
     block; a corrupt, truncated or missing block is a miss that drops its row. Blocks come
-    back as writable memoryviews of a pooled buffer (compare equal to the bytes written);
-    ``read_into`` fills a buffer of the caller's instead. Pins live in
-    memory only. Deletions, dropped rows and access times reach the index with the next write
+    back as writable memoryviews of a pooled buffer (they compare equal to the bytes
+    written); ``read_into`` fills a buffer of the caller's instead. Pins live in memory
+    only. Deletions, dropped rows and access times reach the index with the next write
     batch, ``flush`` or ``close``.
     """
 
