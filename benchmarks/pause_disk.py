@@ -95,10 +95,13 @@ def _drop_cache(path: Path) -> None:
         os.close(fd)
 
 
-def disk_figures(folder: Path, total_bytes: int, block_bytes: int) -> dict[str, Any]:
-    """Raw and store side by side, each store pass right after the raw pass it is compared
-    with (the disk's speed drifts on a shared machine): raw write, store write, raw read,
-    store ``get_many``, store ``read_into``."""
+def disk_figures(
+    folder: Path, total_bytes: int, block_bytes: int, *, store_first: bool = False
+) -> dict[str, Any]:
+    """Raw and store side by side, each store pass next to the raw pass it is compared with
+    (the disk's speed drifts on a shared machine): raw write, store write, raw read, store
+    ``get_many``, then store ``read_into``; ``store_first`` swaps each pair (the second
+    writer of a pair may pay for the first one's write-back below the VM)."""
     raw = _Raw(folder, total_bytes)
     n = max(BATCH, total_bytes // block_bytes)
     blob = os.urandom(block_bytes)
@@ -134,10 +137,16 @@ def disk_figures(folder: Path, total_bytes: int, block_bytes: int) -> dict[str, 
             assert all(g == block_bytes for g in got)
 
     try:
-        timed("raw_write", raw.n * CHUNK, raw.write)
-        timed("store_write", n * block_bytes, store_write)
-        timed("raw_read", raw.n * CHUNK, raw.read)
-        timed("store_read", n * block_bytes, get_many)
+        passes = [
+            [
+                ("raw_write", raw.n * CHUNK, raw.write),
+                ("store_write", n * block_bytes, store_write),
+            ],
+            [("raw_read", raw.n * CHUNK, raw.read), ("store_read", n * block_bytes, get_many)],
+        ]
+        for pair in passes:
+            for name, nbytes, body in reversed(pair) if store_first else pair:
+                timed(name, nbytes, body)
         for data_file in (folder / "store").iterdir():
             if data_file.is_file():
                 _drop_cache(data_file)
@@ -174,13 +183,17 @@ def main() -> None:
         "store_read_into_mb_s",
         "disk_read_into_fraction_raw",
     )
-    print("run " + " ".join(f"{c.replace('_mb_s', ''):>14s}" for c in cols) + "  cpu_s")
+    print("run first " + " ".join(f"{c.replace('_mb_s', ''):>14s}" for c in cols) + "  cpu_s")
     runs = []
     for run in range(args.runs):
         with tempfile.TemporaryDirectory(prefix="kvpilot-disk-", dir=args.dir) as folder:
-            fig = disk_figures(Path(folder), args.mib << 20, args.block_kib << 10)
+            fig = disk_figures(
+                Path(folder), args.mib << 20, args.block_kib << 10, store_first=run % 2 == 1
+            )
         runs.append(fig)
-        print(f"{run:3d} " + " ".join(f"{fig[c]:14,.3f}" for c in cols) + f"  {fig['cpu_s']}")
+        first = "store" if run % 2 else "raw  "
+        row = " ".join(f"{fig[c]:14,.3f}" for c in cols)
+        print(f"{run:3d} {first} {row}  {fig['cpu_s']}")
         sys.stdout.flush()
     medians = {c: round(statistics.median(r[c] for r in runs), 3) for c in cols}
     print(json.dumps({"runs": args.runs, "mib": args.mib, **medians}))
