@@ -4,7 +4,10 @@
    and 32, on random-init Llama shapes of 19M and 125M parameters (built locally with a
    trained BPE tokenizer, see peers_models.py). Each engine runs alone in its own process
    (never both resident), in rotating order over 3 repetitions; the median is reported.
-   Both sides must produce exactly the same number of tokens (asserted).
+   Prefill is timed by a one-token run; decode from the full run's token stamps, taken the
+   same way on both sides (each request's first to last token, see token_timing.py: a
+   figure that cannot go negative). Every request on both sides must produce exactly the
+   asked number of tokens (asserted).
 2. Agent replay: real miniswe sessions through both HTTP servers (kvpilot serve, vLLM's
    OpenAI server), the same token ids, the same device KV budget chosen so the sessions'
    working set does not fit; kvpilot once without and once with a host tier.
@@ -32,6 +35,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from token_timing import TokenClock, assert_same_tokens, decode_tokens_per_s
 
 from peers_models import CACHE, MAX_POSITIONS, TRACES, ensure_model
 from peers_replay import ideal, load_calls, replay, running_server, working_set_tokens
@@ -68,21 +73,28 @@ def kvpilot_worker(job: dict[str, Any]) -> dict[str, Any]:
     results = {}
     for batch, prompts in job["batches"].items():
 
-        def run(n: int, prompts: list[list[int]] = prompts) -> tuple[float, int]:
+        def run(n: int, prompts: list[list[int]] = prompts) -> tuple[float, TokenClock]:
+            """Wall seconds of the whole batch, and every request's token stamps."""
             params = SamplingParams(max_tokens=n, ignore_eos=True)
+            clock = TokenClock()
             start = time.perf_counter()
-            outs = engine.generate(prompts, params)
-            return time.perf_counter() - start, sum(o.generated_tokens for o in outs)
+            ids = [engine.add_request(list(p), params) for p in prompts]
+            while engine.has_unfinished():
+                for out in engine.step():
+                    clock.seen(out.request_id, len(out.outputs[0].token_ids))
+            elapsed = time.perf_counter() - start
+            for rid in ids:
+                engine.pop_output(rid)
+            return elapsed, clock
 
         run(2)  # warm-up
-        prefill_s, prefill_tokens = run(1)
-        total_s, total_tokens = run(job["new_tokens"])
+        prefill_s, prefill_clock = run(1)
+        _, clock = run(job["new_tokens"])
         results[batch] = {
             "prefill_s": prefill_s,
-            "total_s": total_s,
             "prompt_tokens": sum(len(p) for p in prompts),
-            "prefill_run_tokens": prefill_tokens,
-            "output_tokens": total_tokens,
+            "prefill_run_tokens": sum(prefill_clock.count.values()),
+            **clock.summary(),
         }
     return {"engine": "kvpilot", "results": results}
 
@@ -103,12 +115,10 @@ def run_worker(engine: str, job_path: Path, peers_python: Path) -> dict[str, Any
     return json.loads(lines[-1])
 
 
-def rates(result: dict[str, Any], new_tokens: int) -> tuple[float, float]:
-    """(prefill tokens/s, decode tokens/s) of one worker result for one batch."""
-    batch = result["prefill_run_tokens"]
-    prefill = result["prompt_tokens"] / result["prefill_s"]
-    decode_tokens = batch * (new_tokens - 1)
-    return prefill, decode_tokens / max(result["total_s"] - result["prefill_s"], 1e-9)
+def rates(result: dict[str, Any]) -> tuple[float, float]:
+    """(prefill tokens/s, decode tokens/s) of one worker result for one batch: prefill from a
+    one-token run, decode from the full run's token stamps (`token_timing`)."""
+    return result["prompt_tokens"] / result["prefill_s"], decode_tokens_per_s(result)
 
 
 def throughput(
@@ -146,14 +156,14 @@ def throughput(
         key = str(b)
         med: dict[str, tuple[float, float]] = {}
         for engine, results in runs.items():
-            for r in results:
-                r = r[key]
-                if r["output_tokens"] != b * new_tokens or r["prefill_run_tokens"] != b:
-                    raise AssertionError(
-                        f"{engine} produced {r['output_tokens']} tokens at batch {b}, expected "
-                        f"{b * new_tokens} (and {r['prefill_run_tokens']} in the prefill run)"
-                    )
-            pairs = [rates(r[key], new_tokens) for r in results]
+            assert_same_tokens(
+                {f"{engine} run {i}": r[key]["tokens_per_request"] for i, r in enumerate(results)},
+                new_tokens,
+                b,
+            )
+            if any(r[key]["prefill_run_tokens"] != b for r in results):
+                raise AssertionError(f"{engine}'s prefill run at batch {b} did not give {b} tokens")
+            pairs = [rates(r[key]) for r in results]
             med[engine] = (
                 statistics.median(p for p, _ in pairs),
                 statistics.median(d for _, d in pairs),

@@ -25,6 +25,7 @@ import torch
 
 from kvpilot.engine import Engine, SamplingParams, Session, VirtualClock
 from kvpilot.engine.executor import SeqWork, StepOutput
+from kvpilot.engine.snapshot import EngineSnapshot
 from kvpilot.model.parallel.executor import TensorParallelExecutor
 from kvpilot.model.runner import ModelRunner
 
@@ -237,6 +238,47 @@ def forked_turns(engine: Engine) -> list[Turn]:
 
 def forked_references(model: str | Path) -> list[Turn]:
     return [reference_turns(model, [FIRST, SECOND])[1], reference_turns(model, [FIRST, THIRD])[1]]
+
+
+PREEMPT_PROMPTS = [[(5 * i + 17 * k) % 240 + 5 for i in range(34 + 9 * k)] for k in range(6)]
+PREEMPT_PARAMS = SamplingParams(max_tokens=20, ignore_eos=True)
+
+
+def preemption_run(
+    model: str | Path, kv_blocks: int = 16, host_kv_blocks: int = 128, **options: Any
+) -> tuple[list[Turn], EngineSnapshot]:
+    """Six prompts at once in a device pool too small for all of them (with a host tier
+    unless ``host_kv_blocks=0``): running sequences are preempted. Each prompt's turn, and
+    the engine's counters at the end."""
+    if host_kv_blocks:
+        options["host_kv_blocks"] = host_kv_blocks
+    engine = Engine.from_pretrained(
+        str(model), kv_blocks=kv_blocks, clock=VirtualClock(), **options
+    )
+    turns = LogitRecorder(engine).generate(PREEMPT_PROMPTS, PREEMPT_PARAMS)
+    snap = engine.snapshot()
+    engine.close()
+    return turns, snap
+
+
+def preempted_swap_turns(model: str | Path, **options: Any) -> list[Turn]:
+    """`preemption_run` where the break-even rule chooses the copy: preempted sequences are
+    swapped to host, then loaded back on readmission."""
+    turns, snap = preemption_run(model, **options)
+    assert snap.preemptions_swapped > 0, "the scenario must swap a preempted sequence"
+    return turns
+
+
+def preempted_references(model: str | Path) -> list[Turn]:
+    return [_solo(str(model), tuple(p), PREEMPT_PARAMS) for p in PREEMPT_PROMPTS]
+
+
+@functools.cache
+def _solo(model: str, prompt: tuple[int, ...], params: SamplingParams) -> Turn:
+    engine = Engine.from_pretrained(model, kv_blocks=128, enable_prefix_caching=False)
+    (turn,) = LogitRecorder(engine).generate([list(prompt)], params)
+    engine.close()
+    return turn
 
 
 SHARED_A = FIRST[:64]

@@ -46,6 +46,17 @@ def swap_in_skipped() -> AbstractContextManager[None]:
     return patched(TorchTierTransport, "swap_in", swap_in)
 
 
+def swap_out_skipped() -> AbstractContextManager[None]:
+    """The device -> host copy never happens: the host blocks keep whatever they held."""
+
+    def swap_out(self: TorchTierTransport, pairs: Sequence[tuple[int, int]]) -> Future[float]:
+        done: Future[float] = Future()
+        done.set_result(1e-6)
+        return done
+
+    return patched(TorchTierTransport, "swap_out", swap_out)
+
+
 def disk_read_returns_another_block() -> AbstractContextManager[None]:
     """A verified disk read hands each block the bytes of the next one it was asked for (the
     last one keeps its own).
@@ -123,6 +134,8 @@ def prefix_match_one_block_long() -> AbstractContextManager[None]:
 
 SABOTAGES: dict[str, Callable[[], AbstractContextManager[None]]] = {
     "swap_in_skipped": swap_in_skipped,
+    "preempted_swap_in_skipped": swap_in_skipped,
+    "preempted_swap_out_skipped": swap_out_skipped,
     "disk_read_returns_another_block": disk_read_returns_another_block,
     "slot_mapping_off_by_one": slot_mapping_off_by_one,
     "copy_on_write_skipped": copy_on_write_skipped,

@@ -25,6 +25,8 @@ from equivalence import (
     disk_dir,
     forked_references,
     forked_turns,
+    preempted_references,
+    preempted_swap_turns,
     reference_turns,
     shared_prefix_references,
     shared_prefix_turns,
@@ -67,10 +69,15 @@ SCENARIOS = {
     ),
     "fork": _plain(forked_turns, forked_references),
     "shared prefix": _plain(shared_prefix_turns, shared_prefix_references),
+    "swap preemption": Scenario(
+        lambda model, tmp: preempted_swap_turns(model), preempted_references
+    ),
 }
 
 CAUGHT_BY = {
     "swap_in_skipped": "round trip through host",
+    "preempted_swap_in_skipped": "swap preemption",
+    "preempted_swap_out_skipped": "swap preemption",
     "disk_read_returns_another_block": "round trip through disk",
     "slot_mapping_off_by_one": "shared prefix",
     "copy_on_write_skipped": "fork",

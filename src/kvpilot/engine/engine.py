@@ -21,6 +21,7 @@ from kvpilot.engine.config import EngineConfig, check_honoured
 from kvpilot.engine.executor import Executor, TierTransport
 from kvpilot.engine.offload import OffloadManager
 from kvpilot.engine.outputs import as_prompt_list, snapshot, stop_reason
+from kvpilot.engine.preemption import SwapPreemption
 from kvpilot.engine.request import (
     Request,
     RequestLimits,
@@ -97,10 +98,13 @@ class Engine:
         self.sessions = SessionTable(
             self.kv, self.offload, executor, self.clock.now, self.stats, runner=self
         )
+        swap = SwapPreemption(self.offload)
         hooks = AdmissionHooks(
             reclaim_idle=self.sessions.reclaim_idle,
             ensure_resident=self.offload.ensure_resident,
             on_admit=self.offload.on_admit,
+            preempt_cost=swap.cost_per_block,
+            swap_out=swap.swap_out,
         )
         self.scheduler = Scheduler(config.scheduler, self.kv, hooks)
         self.requests: dict[str, Request] = {}

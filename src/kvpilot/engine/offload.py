@@ -128,7 +128,7 @@ class OffloadManager:
             wait, source = float(expected_wait_s), "hint from the caller"
         wait = clamp_wait_s(wait)  # timers and figures stay finite whatever the caller said
         nodes = self.exclusive_device_nodes(traj)
-        inputs = self._inputs(traj, nodes, wait, tool)
+        inputs = self.pause_inputs(traj, nodes, wait, tool)
         decision = feasible(self.policy.decide(inputs), self.mover.link_bw(), self.mover.disk_bw())
         now = self.now()
         lease = self.policy.lease_s(inputs) if decision.action is PauseAction.RETAIN else 0.0
@@ -151,7 +151,7 @@ class OffloadManager:
             self.session_store.save(session.session_id, traj.tokens, session.salt, meta)
         return decision
 
-    def _inputs(
+    def pause_inputs(
         self, traj: Trajectory, nodes: list[RadixNode], wait: float, tool: str | None = None
     ) -> PauseInputs:
         mover = self.mover

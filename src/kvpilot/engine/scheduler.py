@@ -7,8 +7,11 @@ One step, in order (the spec's token-budget scheduling, eq. in "Token-budget sch
 1. Running sequences, oldest admission first: a decode costs one token, an unfinished
    prefill takes a chunk of at most ``max_prefill_chunk`` tokens, until the budget is spent.
    A sequence that cannot get a KV block first makes idle session state give way, then
-   preempts by recompute the most recently admitted running sequence (possibly itself).
-   Victims go back to the *front* of the waiting queue, so no request starves.
+   preempts sequences admitted after it (possibly itself, last): with a ``preempt_cost``
+   hook the one cheapest to bring back per block it frees, else the most recently admitted.
+   A victim is swapped to the host tier when the ``swap_out`` hook says so, else its
+   committed prefix stays in the prefix cache and the rest is recomputed. Victims go back
+   to the *front* of the waiting queue, so no request starves.
 2. Waiting sequences, first come first served, while KV usage is below ``tau_high``,
    blocks are available and the budget lasts. On admission a sequence reuses the longest
    cached prefix of its tokens from the radix cache.
@@ -37,11 +40,16 @@ class AdmissionHooks:
     trajectory's cached prefix is on the device (starting a load from host or disk if not):
     a sequence whose prefix is still coming back waits, others are admitted past it.
     ``on_admit(seq)`` is told of every admission (after the prefix is reused).
+    ``preempt_cost(seq)`` prices a victim: seconds to bring it back per block it frees.
+    ``swap_out(seq)`` releases a victim's KV to the host tier when that beats recompute, and
+    says whether it did (`kvpilot.engine.preemption.SwapPreemption`).
     """
 
     reclaim_idle: Callable[[int], int] | None = None
     ensure_resident: Callable[[Trajectory], Residency] | None = None
     on_admit: Callable[[Sequence], None] | None = None
+    preempt_cost: Callable[[Sequence], float] | None = None
+    swap_out: Callable[[Sequence], bool] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,10 +83,13 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.num_swapped_preemptions = 0  # of num_preemptions: KV swapped to host
         hooks = hooks or AdmissionHooks()
         self.reclaim_idle = hooks.reclaim_idle
         self.ensure_resident = hooks.ensure_resident
         self.on_admit = hooks.on_admit
+        self.preempt_cost = hooks.preempt_cost
+        self.swap_out = hooks.swap_out
 
     # -- queue management -------------------------------------------------------------
 
@@ -220,9 +231,9 @@ class Scheduler:
         return False
 
     def _preempt_until_allocated(self, seq: Sequence, n: int, preempted: list[Sequence]) -> bool:
-        """Preempt the most recently admitted sequences until ``seq`` gets its blocks."""
+        """Preempt sequences admitted after ``seq``, then ``seq``, until it gets its blocks."""
         while True:
-            victim = self.running[-1]
+            victim = self._victim(seq)
             self._preempt(victim)
             preempted.append(victim)
             if victim is seq:
@@ -230,8 +241,21 @@ class Scheduler:
             if self._try_allocate(seq, n):
                 return True
 
+    def _victim(self, seq: Sequence) -> Sequence:
+        """Of the sequences admitted after ``seq``: the cheapest to bring back per block it
+        frees (ties: the latest), or the latest without a price. ``seq`` when none is left."""
+        later = self.running[self.running.index(seq) + 1 :]
+        if not later:
+            return seq
+        if self.preempt_cost is None:
+            return later[-1]
+        return min(reversed(later), key=self.preempt_cost)
+
     def _preempt(self, seq: Sequence) -> None:
-        seq.traj.release_kv(keep_in_cache=self.config.enable_prefix_caching)
+        caching = self.config.enable_prefix_caching
+        if caching and self.swap_out is not None and self.swap_out(seq):
+            self.num_swapped_preemptions += 1
+        seq.traj.release_kv(keep_in_cache=caching)  # no-op after a swap
         self.running.remove(seq)
         seq.status = SeqStatus.WAITING
         seq.num_preemptions += 1

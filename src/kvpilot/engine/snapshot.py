@@ -70,6 +70,7 @@ class EngineSnapshot:
     decode_tokens: int = 0
     requests_finished: int = 0
     preemptions: int = 0
+    preemptions_swapped: int = 0  # of preemptions: KV swapped to host (the rest recompute)
     forks: int = 0
     fork_copied_blocks: int = 0
     # the memory core
@@ -150,6 +151,7 @@ def take_snapshot(
         decode_tokens=stats.decode_tokens,
         requests_finished=stats.requests_finished,
         preemptions=scheduler.num_preemptions,
+        preemptions_swapped=scheduler.num_swapped_preemptions,
         forks=stats.forks,
         fork_copied_blocks=stats.fork_copied_blocks,
         kv_usage=kv.device.usage,

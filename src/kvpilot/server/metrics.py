@@ -84,6 +84,11 @@ class _EngineCollector(Collector):
         )
         yield _counter("kvpilot_requests_finished", "Requests finished", s.requests_finished)
         yield _counter("kvpilot_preemptions", "Sequences preempted", s.preemptions)
+        yield _counter(
+            "kvpilot_preemptions_swapped",
+            "Preemptions that swapped the sequence's KV to host (the rest recompute)",
+            s.preemptions_swapped,
+        )
         yield _counter("kvpilot_forks", "Trajectory forks", s.forks)
         yield _counter(
             "kvpilot_prefix_cache_queries_tokens",
