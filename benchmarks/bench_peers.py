@@ -39,7 +39,14 @@ from typing import Any
 from token_timing import TokenClock, assert_same_tokens, decode_tokens_per_s
 
 from peers_models import CACHE, MAX_POSITIONS, TRACES, ensure_model
-from peers_replay import ideal, load_calls, replay, running_server, working_set_tokens
+from peers_replay import (
+    ideal,
+    kvpilot_counters,
+    load_calls,
+    replay,
+    running_server,
+    working_set_tokens,
+)
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_PEERS_VENV = HERE.parents[1] / "peers-venv"
@@ -235,15 +242,22 @@ def replay_section(args: argparse.Namespace, peers: Path) -> dict[str, float]:
     }
     results: dict[str, Any] = {}
     for name, (command, env, hints) in variants.items():
+        if name not in args.replay_variants:
+            continue
         with running_server(command, port, env, log_dir / f"{name}.log") as base:
             served = model_name if name == "vllm" else str(path)
             result = asyncio.run(replay(base, served, sessions, args.replay_tokens, hints))
+            counters = kvpilot_counters(base) if hints else {}
         results[name] = result
         print(
             f"{name:<14}{result.calls_per_s:>8.3f} calls/s   hit rate {result.hit_rate:6.1%}   "
             f"wall {result.wall_s:6.1f} s",
             flush=True,
         )
+        if counters:
+            print("    " + "  ".join(f"{k} {v:,.0f}" for k, v in sorted(counters.items())))
+    if set(results) != set(variants):
+        return {f"replay_hit_rate_{k}": round(r.hit_rate, 4) for k, r in results.items()}
     if len({r.prompt_tokens for r in results.values()}) != 1:
         raise AssertionError(
             f"servers counted different prompt tokens: "
@@ -274,6 +288,13 @@ def main() -> None:
     parser.add_argument("--wait-scale", type=float, default=0.1, help="tool time x this")
     parser.add_argument("--kv-fraction", type=float, default=0.5, help="budget / working set")
     parser.add_argument("--host-memory", default="128MiB")
+    parser.add_argument(
+        "--replay-variants",
+        nargs="*",
+        default=["vllm", "kvpilot", "kvpilot_host"],
+        choices=["vllm", "kvpilot", "kvpilot_host"],
+        help="servers to replay through (all three for the ratios)",
+    )
     parser.add_argument("--port", type=int, default=18931)
     parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -133,6 +133,34 @@ async def replay(
     return ReplayResult(totals[0], wall, totals[1], totals[2])
 
 
+KVPILOT_COUNTERS = (
+    "kvpilot_preemptions_total",
+    "kvpilot_preemptions_swapped_total",
+    "kvpilot_admissions_deferred_total",
+    "kvpilot_prefill_tokens_total",
+    "kvpilot_kv_evicted_blocks_total",
+    "kvpilot_recomputed_tokens_total",
+    "kvpilot_pause_decisions_total",
+)
+
+
+def kvpilot_counters(base_url: str) -> dict[str, float]:
+    """A few of kvpilot's /metrics counters (summed over labels; label values kept apart
+    for the pause decisions): where a replay's time and cache hits went."""
+    text = httpx.get(base_url + "/metrics", timeout=30.0).text
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        name, _, value = line.rpartition(" ")
+        family = name.split("{", 1)[0]
+        if family not in KVPILOT_COUNTERS:
+            continue
+        key = family.removeprefix("kvpilot_").removesuffix("_total")
+        if family == "kvpilot_pause_decisions_total":
+            key += ":" + name.split('"')[1]
+        out[key] = out.get(key, 0.0) + float(value)
+    return out
+
+
 @contextlib.contextmanager
 def running_server(
     command: Sequence[str], port: int, env: dict[str, str], log: Path, startup_s: float = 900.0

@@ -87,3 +87,48 @@ def test_victim_is_the_cheapest_to_bring_back_among_later_admissions() -> None:
     for victim, candidates in priced:
         assert victim is min(candidates, key=lambda s: s.seq_id)
     assert any(len(c) > 1 for _, c in priced), "never more than one candidate"
+
+
+def hot_state_run(max_defer_s: float, returns: bool = True) -> tuple[int, float, bool]:
+    """A session pauses (retained, back in 10 ms) holding most of a small pool; a request
+    that needs some of its blocks arrives. Returns the session's cached tokens on its next
+    turn (if it returns), when the request was first scheduled, and whether it was right."""
+    engine = make_engine(num_blocks=20, max_defer_s=max_defer_s)
+    session = engine.open_session()
+    params = SamplingParams(max_tokens=4)
+    session.generate(prompt(1, 200), params)
+    assert session.pause(expected_wait_s=0.01).action.value == "retain"
+    other = prompt(2, 150)
+    rid = engine.add_request(other, params)
+    start = engine.clock.now()
+    cached = 0
+    if returns:
+        engine.step()
+        cached = engine.run_until_finished(session.submit(prompt(3, 10), params)).cached_tokens
+    out = engine.run_until_finished(rid)
+    seq = engine.requests[rid].seqs[0] if rid in engine.requests else None
+    first = seq.first_token_time if seq is not None else None
+    engine.check_invariants()
+    deferred = engine.snapshot().admissions_deferred
+    assert deferred == (1 if max_defer_s else 0)
+    waited = (first if first is not None else engine.clock.now()) - start
+    return cached, waited, list(out.token_ids) == oracle_generate(other, params)
+
+
+def test_admission_waits_for_retained_state_that_is_back_soon() -> None:
+    """The request that would evict a retained session's tail waits for the session's next
+    turn, which then finds its whole history cached; without the guard it does not."""
+    kept, _, right = hot_state_run(max_defer_s=1.0)
+    assert right and kept == 200 + 4 - 1  # all but the last sampled token (never fed back)
+    lost, _, right = hot_state_run(max_defer_s=0.0)
+    assert right and lost < kept
+
+
+def test_a_held_back_request_waits_at_most_max_defer_s() -> None:
+    """The session never returns. The request goes in once it has waited max_defer_s, or
+    sooner once the overdue session is expected back later than a recompute would take
+    (here after about 24 ms: 48 tokens at the default 2,000 tokens/s)."""
+    _, waited, right = hot_state_run(max_defer_s=0.015, returns=False)
+    assert right and 0.015 <= waited < 0.018
+    _, waited, right = hot_state_run(max_defer_s=1.0, returns=False)
+    assert right and 0.02 <= waited < 0.03

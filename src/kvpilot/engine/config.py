@@ -37,7 +37,9 @@ class SchedulerConfig:
     ``max_prefill_chunk`` caps one sequence's prefill chunk. Monolithic prefill is
     ``chunked_prefill=False``: a prompt is computed in one step whatever its length.
     New work is admitted only while device KV usage (blocks held, not counting cached
-    blocks that could be evicted) is below ``tau_high``.
+    blocks that could be evicted) is below ``tau_high``. A request whose admission would
+    evict a paused session's state that is back sooner than it would take to recompute
+    waits for it, at most ``max_defer_s`` (0: never; `kvpilot.engine.admission`).
     """
 
     max_num_batched_tokens: int = 2048
@@ -46,8 +48,11 @@ class SchedulerConfig:
     chunked_prefill: bool = True
     tau_high: float = 0.9
     enable_prefix_caching: bool = True
+    max_defer_s: float = 10.0
 
     def __post_init__(self) -> None:
+        if not 0.0 <= self.max_defer_s < float("inf"):
+            raise ConfigError(f"max_defer_s must be a finite number >= 0, got {self.max_defer_s}")
         if self.max_num_batched_tokens < 1 or self.max_prefill_chunk < 1:
             raise ConfigError("max_num_batched_tokens and max_prefill_chunk must be positive")
         if not 0.0 < self.tau_high <= 1.0:

@@ -15,13 +15,13 @@ from collections.abc import Sequence as Seq
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kvpilot.engine.admission import admission_hooks
 from kvpilot.engine.branches import fork_branches
 from kvpilot.engine.clock import Clock, WallClock
 from kvpilot.engine.config import EngineConfig, check_honoured
 from kvpilot.engine.executor import Executor, TierTransport
 from kvpilot.engine.offload import OffloadManager
 from kvpilot.engine.outputs import as_prompt_list, snapshot, stop_reason
-from kvpilot.engine.preemption import SwapPreemption
 from kvpilot.engine.request import (
     Request,
     RequestLimits,
@@ -32,7 +32,7 @@ from kvpilot.engine.request import (
     pause_hint,
 )
 from kvpilot.engine.sampling import SamplingParams
-from kvpilot.engine.scheduler import AdmissionHooks, Scheduler, SchedulerOutput
+from kvpilot.engine.scheduler import Scheduler, SchedulerOutput
 from kvpilot.engine.session import Session, SessionTable
 from kvpilot.engine.snapshot import EngineSnapshot, take_snapshot
 from kvpilot.engine.stats import EngineStats
@@ -98,13 +98,8 @@ class Engine:
         self.sessions = SessionTable(
             self.kv, self.offload, executor, self.clock.now, self.stats, runner=self
         )
-        swap = SwapPreemption(self.offload)
-        hooks = AdmissionHooks(
-            reclaim_idle=self.sessions.reclaim_idle,
-            ensure_resident=self.offload.ensure_resident,
-            on_admit=self.offload.on_admit,
-            preempt_cost=swap.cost_per_block,
-            swap_out=swap.swap_out,
+        hooks, _ = admission_hooks(
+            self.kv, self.offload, self.sessions, self.clock.now, config.scheduler.max_defer_s
         )
         self.scheduler = Scheduler(config.scheduler, self.kv, hooks)
         self.requests: dict[str, Request] = {}
@@ -221,8 +216,8 @@ class Engine:
             self._finish_seq(seq, "length")
             self._finish_request_if_done(seq.request)
         if not sched.scheduled:
-            if self.offload.busy():
-                self.clock.sleep(0.0005)  # only waiting on copies: let them run
+            if self.offload.busy() or self.scheduler.held_back:
+                self.clock.sleep(0.0005)  # only waiting on copies or hot state: let them run
             return [self._snapshot(s.request) for s in sched.starved]
         start = self.clock.now()
         result = self.executor.execute(sched.works)

@@ -12,8 +12,10 @@ One step, in order (the spec's token-budget scheduling, eq. in "Token-budget sch
    A victim is swapped to the host tier when the ``swap_out`` hook says so, else its
    committed prefix stays in the prefix cache and the rest is recomputed. Victims go back
    to the *front* of the waiting queue, so no request starves.
-2. Waiting sequences, first come first served, while KV usage is below ``tau_high``,
-   blocks are available and the budget lasts. On admission a sequence reuses the longest
+2. Waiting sequences, preempted ones first, then longest device-resident prefix first
+   (ties: first come first served), while KV usage is below ``tau_high``, blocks are
+   available and the budget lasts; a ``defer_admission`` hook may hold one back (others are
+   admitted past it). On admission a sequence reuses the longest
    cached prefix of its tokens from the radix cache.
 """
 
@@ -27,8 +29,10 @@ from kvpilot.engine.config import SchedulerConfig
 from kvpilot.engine.executor import SeqWork
 from kvpilot.engine.request import SeqStatus, Sequence
 from kvpilot.errors import OutOfBlocks
-from kvpilot.memory import KVManager, Trajectory
+from kvpilot.memory import KVManager, Tier, Trajectory
 from kvpilot.memory.residency import Residency
+
+LPM_MAX_WAITING = 64  # longest-prefix-first ordering up to this many waiting sequences
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +47,8 @@ class AdmissionHooks:
     ``preempt_cost(seq)`` prices a victim: seconds to bring it back per block it frees.
     ``swap_out(seq)`` releases a victim's KV to the host tier when that beats recompute, and
     says whether it did (`kvpilot.engine.preemption.SwapPreemption`).
+    ``defer_admission(seq)`` holds a waiting sequence back this step, others are admitted
+    past it (`kvpilot.engine.admission.HotStateGuard`).
     """
 
     reclaim_idle: Callable[[int], int] | None = None
@@ -50,6 +56,7 @@ class AdmissionHooks:
     on_admit: Callable[[Sequence], None] | None = None
     preempt_cost: Callable[[Sequence], float] | None = None
     swap_out: Callable[[Sequence], bool] | None = None
+    defer_admission: Callable[[Sequence], bool] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +97,9 @@ class Scheduler:
         self.on_admit = hooks.on_admit
         self.preempt_cost = hooks.preempt_cost
         self.swap_out = hooks.swap_out
+        self.defer_admission = hooks.defer_admission
+        self.held_back: set[int] = set()  # seq_ids the last step held back from admission
+        self.num_deferred_admissions = 0  # sequences ever held back
 
     # -- queue management -------------------------------------------------------------
 
@@ -141,16 +151,24 @@ class Scheduler:
             budget -= n
             i += 1
 
+        self._cache_aware_order()
         i = 0
+        held_back = self.held_back
+        self.held_back = set()
         while (
             i < len(self.waiting)
             and budget > 0
             and not preempted
             and len(self.running) < cfg.max_num_seqs
         ):
+            seq = self.waiting[i]
+            if self.defer_admission is not None and self.defer_admission(seq):
+                self.held_back.add(seq.seq_id)
+                self.num_deferred_admissions += seq.seq_id not in held_back
+                i += 1
+                continue
             if self.held_usage() >= cfg.tau_high and not self._make_room():
                 break
-            seq = self.waiting[i]
             if self.ensure_resident is not None and not self._resident(seq):
                 i += 1
                 continue
@@ -176,6 +194,29 @@ class Scheduler:
         return SchedulerOutput(
             scheduled, works, preempted, starved, total, prefill, total - prefill
         )
+
+    def _cache_aware_order(self) -> None:
+        """Longest device-resident prefix first (SGLang's "lpm"), preempted sequences ahead
+        of all, ties in arrival order: admitting a request with little cached before one
+        whose prefix is resident would evict that prefix, and both would recompute. Past
+        ``LPM_MAX_WAITING`` waiting sequences the queue stays first come first served."""
+        waiting = self.waiting
+        if not 1 < len(waiting) <= LPM_MAX_WAITING or not self.config.enable_prefix_caching:
+            return
+        radix, bs = self.kv.radix, self.kv.block_size
+
+        def key(seq: Sequence) -> tuple[bool, int]:
+            traj = seq.traj
+            cached = len(traj.block_table)
+            if not cached:
+                tokens = traj.token_array()
+                peek = radix.peek(tokens[: max(len(tokens) - 1, 0)], traj.salt)
+                cached = peek.blocks_by_tier.get(Tier.DEVICE, 0)
+            return seq.num_preemptions == 0, -cached * bs
+
+        ordered = sorted(waiting, key=key)
+        waiting.clear()
+        waiting.extend(ordered)
 
     def _resident(self, seq: Sequence) -> bool:
         """Ready when the prefix is device-resident; short of room to load it, idle sessions

@@ -71,6 +71,7 @@ class EngineSnapshot:
     requests_finished: int = 0
     preemptions: int = 0
     preemptions_swapped: int = 0  # of preemptions: KV swapped to host (the rest recompute)
+    admissions_deferred: int = 0  # requests held back for a paused session's hot state
     forks: int = 0
     fork_copied_blocks: int = 0
     # the memory core
@@ -152,6 +153,7 @@ def take_snapshot(
         requests_finished=stats.requests_finished,
         preemptions=scheduler.num_preemptions,
         preemptions_swapped=scheduler.num_swapped_preemptions,
+        admissions_deferred=scheduler.num_deferred_admissions,
         forks=stats.forks,
         fork_copied_blocks=stats.fork_copied_blocks,
         kv_usage=kv.device.usage,

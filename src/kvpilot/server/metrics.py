@@ -89,6 +89,11 @@ class _EngineCollector(Collector):
             "Preemptions that swapped the sequence's KV to host (the rest recompute)",
             s.preemptions_swapped,
         )
+        yield _counter(
+            "kvpilot_admissions_deferred",
+            "Requests held back so that a paused session's state, back soon, stays resident",
+            s.admissions_deferred,
+        )
         yield _counter("kvpilot_forks", "Trajectory forks", s.forks)
         yield _counter(
             "kvpilot_prefix_cache_queries_tokens",
