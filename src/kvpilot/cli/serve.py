@@ -151,6 +151,14 @@ def serve(
     max_batched_tokens: MaxBatchedTokens = None,
     prefill_chunk: PrefillChunk = None,
     tau_high: TauHigh = None,
+    max_defer: Annotated[
+        float | None,
+        typer.Option(
+            help="Longest a request waits (seconds) rather than evict a paused session's "
+            "retained state that is back sooner than recomputing it would take (default 2; "
+            "0: never)."
+        ),
+    ] = None,
     device: Annotated[str | None, typer.Option(help="cpu or cuda (default cpu).")] = None,
     dtype: Annotated[
         str | None,
@@ -245,6 +253,7 @@ def serve(
             max_num_batched_tokens=max_batched_tokens,
             max_prefill_chunk=prefill_chunk,
             tau_high=tau_high,
+            max_defer_s=max_defer,
             device=device,
             dtype=dtype,
             attention=attention,

@@ -48,7 +48,7 @@ class SchedulerConfig:
     chunked_prefill: bool = True
     tau_high: float = 0.9
     enable_prefix_caching: bool = True
-    max_defer_s: float = 10.0
+    max_defer_s: float = 2.0
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.max_defer_s < float("inf"):
