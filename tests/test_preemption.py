@@ -132,3 +132,21 @@ def test_a_held_back_request_waits_at_most_max_defer_s() -> None:
     assert right and 0.015 <= waited < 0.018
     _, waited, right = hot_state_run(max_defer_s=1.0, returns=False)
     assert right and 0.02 <= waited < 0.03
+
+
+def test_a_request_with_a_resident_prefix_is_admitted_before_one_without() -> None:
+    """Longest resident prefix first: the second request, whose prefix is cached, goes ahead
+    of the first (nothing cached), ties stay in arrival order; both outputs are right."""
+    engine = make_engine(num_blocks=64)
+    params = SamplingParams(max_tokens=2)
+    cached = prompt(7, 160)
+    engine.generate([cached], params)  # its blocks stay in the prefix cache
+    cold = [prompt(8, 100), prompt(9, 100)]
+    warm = [*cached, *prompt(10, 20)]
+    ids = [engine.add_request(p, params) for p in (cold[0], warm, cold[1])]
+    order = [s.request.request_id for s in engine.scheduler.waiting]
+    assert order == [ids[1], ids[0], ids[2]]
+    engine.check_invariants()
+    run_checked(engine)
+    for rid, p in zip(ids, (cold[0], warm, cold[1]), strict=True):
+        assert list(engine.pop_output(rid).token_ids) == oracle_generate(p, params)

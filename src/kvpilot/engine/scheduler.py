@@ -12,10 +12,10 @@ One step, in order (the spec's token-budget scheduling, eq. in "Token-budget sch
    A victim is swapped to the host tier when the ``swap_out`` hook says so, else its
    committed prefix stays in the prefix cache and the rest is recomputed. Victims go back
    to the *front* of the waiting queue, so no request starves.
-2. Waiting sequences, preempted ones first, then longest device-resident prefix first
-   (ties: first come first served), while KV usage is below ``tau_high``, blocks are
-   available and the budget lasts; a ``defer_admission`` hook may hold one back (others are
-   admitted past it). On admission a sequence reuses the longest
+2. Waiting sequences, preempted ones first, then by the device-resident prefix they had on
+   arrival, longest first (ties: first come first served), while KV usage is below
+   ``tau_high``, blocks are available and the budget lasts; a ``defer_admission`` hook may
+   hold one back (others are admitted past it). On admission a sequence reuses the longest
    cached prefix of its tokens from the radix cache.
 """
 
@@ -31,8 +31,6 @@ from kvpilot.engine.request import SeqStatus, Sequence
 from kvpilot.errors import OutOfBlocks
 from kvpilot.memory import KVManager, Tier, Trajectory
 from kvpilot.memory.residency import Residency
-
-LPM_MAX_WAITING = 64  # longest-prefix-first ordering up to this many waiting sequences
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,14 +98,34 @@ class Scheduler:
         self.defer_admission = hooks.defer_admission
         self.held_back: set[int] = set()  # seq_ids the last step held back from admission
         self.num_deferred_admissions = 0  # sequences ever held back
+        # Device-resident prefix blocks of each waiting sequence when it arrived (`add`).
+        self.resident_at_add: dict[int, int] = {}
 
     # -- queue management -------------------------------------------------------------
 
     def add(self, seq: Sequence) -> None:
+        """Queue ``seq`` behind every waiting sequence with at least as long a device-resident
+        prefix (SGLang's "lpm"; preempted ones stay ahead of all): admitting a request with
+        little cached before one whose prefix is resident would evict that prefix, and both
+        would recompute. Measured once, on arrival (a few dict lookups per block)."""
         seq.status = SeqStatus.WAITING
-        self.waiting.append(seq)
+        waiting = self.waiting
+        if not self.config.enable_prefix_caching or not waiting:
+            self.resident_at_add[seq.seq_id] = 0
+            waiting.append(seq)
+            return
+        traj = seq.traj
+        tokens = traj.token_array()
+        peek = self.kv.radix.peek(tokens[: max(len(tokens) - 1, 0)], traj.salt)
+        resident = max(len(traj.block_table), peek.blocks_by_tier.get(Tier.DEVICE, 0))
+        self.resident_at_add[seq.seq_id] = resident
+        at = len(waiting)
+        while at > 0 and self.resident_at_add.get(waiting[at - 1].seq_id, resident) < resident:
+            at -= 1
+        waiting.insert(at, seq)
 
     def remove(self, seq: Sequence) -> None:
+        self.resident_at_add.pop(seq.seq_id, None)
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
@@ -151,7 +169,6 @@ class Scheduler:
             budget -= n
             i += 1
 
-        self._cache_aware_order()
         i = 0
         held_back = self.held_back
         self.held_back = set()
@@ -183,6 +200,7 @@ class Scheduler:
             if self.on_admit is not None:
                 self.on_admit(seq)
             del self.waiting[i]
+            self.resident_at_add.pop(seq.seq_id, None)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             scheduled.append(ScheduledSeq(seq, n, n == seq.remaining_tokens))
@@ -194,29 +212,6 @@ class Scheduler:
         return SchedulerOutput(
             scheduled, works, preempted, starved, total, prefill, total - prefill
         )
-
-    def _cache_aware_order(self) -> None:
-        """Longest device-resident prefix first (SGLang's "lpm"), preempted sequences ahead
-        of all, ties in arrival order: admitting a request with little cached before one
-        whose prefix is resident would evict that prefix, and both would recompute. Past
-        ``LPM_MAX_WAITING`` waiting sequences the queue stays first come first served."""
-        waiting = self.waiting
-        if not 1 < len(waiting) <= LPM_MAX_WAITING or not self.config.enable_prefix_caching:
-            return
-        radix, bs = self.kv.radix, self.kv.block_size
-
-        def key(seq: Sequence) -> tuple[bool, int]:
-            traj = seq.traj
-            cached = len(traj.block_table)
-            if not cached:
-                tokens = traj.token_array()
-                peek = radix.peek(tokens[: max(len(tokens) - 1, 0)], traj.salt)
-                cached = peek.blocks_by_tier.get(Tier.DEVICE, 0)
-            return seq.num_preemptions == 0, -cached * bs
-
-        ordered = sorted(waiting, key=key)
-        waiting.clear()
-        waiting.extend(ordered)
 
     def _resident(self, seq: Sequence) -> bool:
         """Ready when the prefix is device-resident; short of room to load it, idle sessions
@@ -327,3 +322,8 @@ class Scheduler:
         for seq in self.waiting:
             assert seq.status is SeqStatus.WAITING, f"seq {seq.seq_id} waiting is {seq.status}"
         assert len(set(map(id, self.running))) == len(self.running), "a sequence runs twice"
+        # Preempted sequences (no arrival figure) first, then longest resident prefix first.
+        keys = [self.resident_at_add.get(s.seq_id) for s in self.waiting]
+        keyed = [k for k in keys if k is not None]
+        assert keys[len(keys) - len(keyed) :] == keyed, "a preempted sequence behind new work"
+        assert keyed == sorted(keyed, reverse=True), "waiting work out of prefix order"
