@@ -48,8 +48,8 @@ class HotStateGuard:
 
     def defer(self, seq: Sequence) -> bool:
         """Hold ``seq`` back this step (see the module docstring)?"""
-        if self.max_defer_s <= 0:
-            return False
+        if self.max_defer_s <= 0 or not self.offload.records:
+            return False  # no paused session, nothing retained to protect (the common case)
         now = self.now()
         since = self.deferred_since.get(seq.seq_id)
         if since is not None and now - since >= self.max_defer_s:
