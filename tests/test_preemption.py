@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 from test_engine_core import make_engine, prompt, run_checked
 
-from kvpilot.engine import SamplingParams
+from kvpilot.engine import EngineConfig, SamplingParams
 from kvpilot.engine.request import Sequence
 from kvpilot.engine.tier_mover import TierMover
+from kvpilot.errors import ConfigError
 
 from equivalence import assert_same_turns, preempted_references, preemption_run
 from fake_executor import oracle_generate
@@ -150,3 +151,9 @@ def test_a_request_with_a_resident_prefix_is_admitted_before_one_without() -> No
     run_checked(engine)
     for rid, p in zip(ids, (cold[0], warm, cold[1]), strict=True):
         assert list(engine.pop_output(rid).token_ids) == oracle_generate(p, params)
+
+
+@pytest.mark.parametrize("bad", [-1.0, float("inf"), float("nan")])
+def test_max_defer_s_must_be_a_finite_non_negative_number(bad: float) -> None:
+    with pytest.raises(ConfigError, match="max_defer_s"):
+        EngineConfig.from_kwargs(max_defer_s=bad)
