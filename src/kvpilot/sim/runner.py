@@ -54,8 +54,18 @@ class SimulatedRunner:
         self.steps = 0
         self.copied_blocks = 0
         self.recomputed_tokens = 0
-        self.last_shape = BatchShape()
+        self._last_shape = BatchShape()
+        self._last_run: tuple[Sequence[int], int] | None = None  # (positions, last step)
         self._high_water: dict[int, int] = {}
+
+    @property
+    def last_shape(self) -> BatchShape:
+        """The shape of the last step executed (of a decode run: its last step)."""
+        if self._last_run is not None:
+            positions, step = self._last_run
+            self._last_shape = decode_run_shape(positions, step, self.cost.windows)
+            self._last_run = None
+        return self._last_shape
 
     def execute(self, works: Sequence[SeqWork]) -> StepOutput:
         high = self._high_water
@@ -95,7 +105,8 @@ class SimulatedRunner:
         self.busy_s += dt
         self.steps += 1
         self.recomputed_tokens += recomputed
-        self.last_shape = shape
+        self._last_shape = shape
+        self._last_run = None
         return StepOutput(out)
 
     def poison_blocks(self, blocks: Sequence[int]) -> None:
@@ -135,7 +146,7 @@ class SimulatedRunner:
                 self.recomputed_tokens += min(p + k, mark) - p
             if p + k > mark:
                 high[seq_id] = p + k
-        self.last_shape = decode_run_shape(positions, k - 1, self.cost.windows)
+        self._last_run = (positions, k - 1)  # its shape is worked out only when asked
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         if not pairs:
