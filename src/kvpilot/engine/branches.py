@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from kvpilot.engine.executor import Executor
+from kvpilot.engine.executor import Executor, WindowExecutor
 from kvpilot.engine.request import SeqStatus, Sequence
 from kvpilot.engine.scheduler import Scheduler
 from kvpilot.engine.stats import EngineStats
-from kvpilot.memory import KVManager
+from kvpilot.memory import ForkResult, KVManager
 
 
 def fork_branches(
@@ -33,22 +33,19 @@ def fork_branches(
     past tau_high they wait in the queue instead of running now."""
     request = parent.request
     request.forked = True
-    copies: list[tuple[int, int]] = []
+    forks: list[ForkResult] = []
     children: list[Sequence] = []
     for index in range(1, n + 1):
         fork = kv.fork_or_defer(parent.traj, defer=gated)
         if fork.deferred:
             stats.gated_forks += 1
-        if fork.copy is not None:
-            copies.append(fork.copy)
+        forks.append(fork)
         child = Sequence(next(seq_ids), request, fork.child, index=index, seed=request.seed + index)
         child.prefix_reused = fork.child.num_computed_tokens > 0
         request.seqs.append(child)
         children.append(child)
         stats.forks += 1
-    if copies:
-        executor.copy_blocks(copies)
-        stats.fork_copied_blocks += len(copies)
+    copy_forked_tails(executor, forks, stats)
     for child in children:
         if child.traj.num_computed_tokens:
             child.status = SeqStatus.RUNNING
@@ -56,3 +53,15 @@ def fork_branches(
         else:
             scheduler.add(child)
     return children
+
+
+def copy_forked_tails(executor: Executor, forks: list[ForkResult], stats: EngineStats) -> None:
+    """The copy-on-write copies of the forks' partial tails, in every layer group."""
+    copies = [f.copy for f in forks if f.copy is not None]
+    if copies:
+        executor.copy_blocks(copies)
+        stats.fork_copied_blocks += len(copies)
+    window = [f.window_copy for f in forks if f.window_copy is not None]
+    if window:
+        assert isinstance(executor, WindowExecutor), "a window group needs a WindowExecutor"
+        executor.copy_window_blocks(window)

@@ -133,6 +133,11 @@ class RunnerConfig:
     ``poison_freed_blocks`` overwrites every KV block returned to a free list (device and host)
     with NaN, so a missed copy, a wrong slot or a stale block shows up as NaN or wrong
     output instead of passing silently; the test suite runs with it on.
+
+    ``release_window_blocks`` (models with sliding-window layers): keep those layers' KV in
+    a pool of their own (``window_kv_blocks`` blocks, default as many as the main pool) and
+    release the blocks wholly outside the window (`kvpilot.memory.window`); False keeps
+    every layer's KV of every block.
     """
 
     block_size: int | None = None
@@ -145,6 +150,8 @@ class RunnerConfig:
     cuda_graphs: bool = True
     tensor_parallel_size: int = 1
     poison_freed_blocks: bool = False
+    release_window_blocks: bool = True
+    window_kv_blocks: int | None = None
     tiers: TierConfig = field(default_factory=TierConfig)
 
     def __post_init__(self) -> None:
@@ -162,6 +169,11 @@ class RunnerConfig:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.window_kv_blocks is not None and self.window_kv_blocks < 2:
+            raise ConfigError(
+                f"window_kv_blocks must be >= 2 (one is the null block), got "
+                f"{self.window_kv_blocks}"
             )
         if self.tensor_parallel_size < 1:
             raise ConfigError(

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from kvpilot.engine.sampling import SamplingParams
 from kvpilot.memory.hashing import ModelFingerprint
@@ -30,6 +30,10 @@ class SeqWork:
     ``(sampling.seed, step)``). ``sample_count`` > 1 samples that many tokens from the same
     logits (used by ``n`` > 1: the prompt is prefilled once, each branch samples its own
     first token with step seeds ``seed + i``).
+
+    ``window_table`` (hybrid models whose executor keeps a window group, `WindowExecutor`)
+    lists the window group's blocks, parallel to ``block_table``: the sliding-window layers
+    read and write those; entries wholly outside the window are the null block 0.
     """
 
     seq_id: int
@@ -40,6 +44,7 @@ class SeqWork:
     step: int = 0
     seed: int = 0
     sample_count: int = 1
+    window_table: Sequence[int] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +77,31 @@ class Executor(Protocol):
     def poison_blocks(self, blocks: Sequence[int]) -> None:
         """Overwrite freed device blocks with garbage (NaN), so a stale read shows; a test aid
         (``EngineConfig.poison_freed_blocks``). An executor without KV contents ignores it."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class WindowGroupSpec:
+    """An executor's sliding-window layer group: its window and its pool of blocks (of the
+    same block size as the full group's; block 0 is the null block, all zeros)."""
+
+    window_tokens: int
+    num_blocks: int
+
+
+@runtime_checkable
+class WindowExecutor(Protocol):
+    """An executor that keeps sliding-window layers' KV in a group of its own, so the engine
+    releases the blocks wholly outside the window (`kvpilot.memory.window`)."""
+
+    window_group: WindowGroupSpec | None
+
+    def copy_window_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """`Executor.copy_blocks` for the window group's blocks."""
+        ...
+
+    def poison_window_blocks(self, blocks: Sequence[int]) -> None:
+        """`Executor.poison_blocks` for the window group's blocks."""
         ...
 
 

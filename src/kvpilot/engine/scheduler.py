@@ -313,6 +313,7 @@ class Scheduler:
             step=len(seq.output_token_ids),
             seed=seq.seed,
             sample_count=fan_out,
+            window_table=None if traj.window is None else traj.window.blocks,
         )
 
     def check_invariants(self) -> None:

@@ -17,11 +17,12 @@ from collections.abc import Callable, Iterator, Mapping
 from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING, Protocol
 
+from kvpilot.engine.branches import copy_forked_tails
 from kvpilot.engine.request import Request, RequestOutput
 from kvpilot.engine.sampling import SamplingParams
 from kvpilot.engine.stats import EngineStats
 from kvpilot.errors import InvalidRequest, SessionBusy, SessionNotFound, require
-from kvpilot.memory import KVManager, Trajectory
+from kvpilot.memory import ForkResult, KVManager, Trajectory
 
 if TYPE_CHECKING:
     from kvpilot.engine.executor import Executor
@@ -198,18 +199,15 @@ class SessionTable(Mapping[str, Session]):
         if n < 1:
             raise InvalidRequest("fork needs n >= 1")
         forks: list[Session] = []
-        copies: list[tuple[int, int]] = []
+        results: list[ForkResult] = []
         for _ in range(n):
             result = self.kv.fork_or_defer(session.traj)
-            if result.copy is not None:
-                copies.append(result.copy)
+            results.append(result)
             sid = f"{session.session_id}.{next(self._ids)}"
             child = self._add(Session(self, sid, result.child, session.salt))
             child.turns = session.turns
             forks.append(child)
-        if copies:
-            self.executor.copy_blocks(copies)
-            self.stats.fork_copied_blocks += len(copies)
+        copy_forked_tails(self.executor, results, self.stats)
         self.stats.forks += n
         return forks
 

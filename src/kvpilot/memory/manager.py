@@ -16,6 +16,7 @@ from kvpilot.memory.radix import RadixCache, RadixNode
 from kvpilot.memory.residency import TierResidency
 from kvpilot.memory.tiers import Tier
 from kvpilot.memory.trajectory import ForkResult, Trajectory
+from kvpilot.memory.window import NULL_BLOCK, WindowPool
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -25,6 +26,9 @@ class KVConfig:
     num_host_blocks: int = 0
     num_disk_blocks: int = 0
     model_fingerprint: bytes = b""  # seeds the chained block hashes (memory.hashing)
+    # Hybrid models: the sliding-window layer group (memory.window). 0: no such group.
+    window_tokens: int = 0
+    num_window_blocks: int = 0  # the window group's pool, its null block included
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -35,6 +39,11 @@ class KVConfig:
             raise ConfigError(
                 f"num_host_blocks and num_disk_blocks must be >= 0, got "
                 f"{self.num_host_blocks} and {self.num_disk_blocks}"
+            )
+        if self.window_tokens < 0 or (self.window_tokens and self.num_window_blocks < 2):
+            raise ConfigError(
+                f"a window group needs window_tokens >= 1 and num_window_blocks >= 2, got "
+                f"{self.window_tokens} and {self.num_window_blocks}"
             )
 
 
@@ -53,6 +62,12 @@ class KVManager:
             tier: BlockPool(n, tier) for tier, n in sizes.items() if n > 0
         }
         self.device = self.pools[Tier.DEVICE]
+        self.model_digest = config.model_fingerprint
+        self.window: WindowPool | None = None
+        if config.window_tokens:
+            self.window = WindowPool(
+                config.num_window_blocks, config.window_tokens, config.block_size
+            )
         self.radix = RadixCache(config.block_size, self.pools, clock, config.model_fingerprint)
         self.trajectories: dict[int, Trajectory] = {}
         # Pins and move locks of copies in flight between tiers (counted by check_invariants).
@@ -121,11 +136,16 @@ class KVManager:
                 expected[tier][ids] += 1
             indexed_device.update(indexed.blocks.get(Tier.DEVICE, ()))
         locks: Counter[RadixNode] = Counter()
+        window_refs = [0] * (self.window.pool.num_blocks if self.window is not None else 0)
         for traj_id, traj in self.trajectories.items():
             require(traj.traj_id == traj_id, f"trajectory {traj.traj_id} registered as {traj_id}")
             require(not traj.closed, f"closed trajectory {traj_id} is still registered")
             traj.check_invariants()
             expected[Tier.DEVICE][traj.block_table] += 1
+            if traj.window is not None:
+                for b in traj.window.blocks:
+                    if b != NULL_BLOCK:
+                        window_refs[b] += 1
             shared = traj.locked_tokens // self.block_size
             private = set(traj.block_table[shared:])
             require(
@@ -136,6 +156,8 @@ class KVManager:
             while node is not None:
                 locks[node] += 1
                 node = node.parent
+        if self.window is not None:
+            self.window.check_invariants(window_refs)
         self.residency.check_invariants()
         for bottom, n in (self.residency.move_locks + self.prefix_pins).items():
             up: RadixNode | None = bottom

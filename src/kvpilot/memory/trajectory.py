@@ -7,10 +7,13 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from kvpilot.errors import InvalidRequest, require
+from kvpilot.errors import InvalidRequest, OutOfBlocks, require
 from kvpilot.memory.block_pool import BlockPool
+from kvpilot.memory.hashing import root_hash
 from kvpilot.memory.radix import RadixCache, RadixNode, as_token_array
 from kvpilot.memory.tiers import Tier
+from kvpilot.memory.window import WindowPool
+from kvpilot.memory.window_table import WindowTable
 
 
 class TrajectoryRegistry(Protocol):
@@ -20,6 +23,8 @@ class TrajectoryRegistry(Protocol):
     radix: RadixCache
     device: BlockPool
     block_size: int
+    window: WindowPool | None  # the sliding-window layer group, for hybrid models
+    model_digest: bytes
 
     def next_trajectory_id(self) -> int: ...
 
@@ -36,6 +41,7 @@ class ForkResult:
     child: Trajectory
     copy: tuple[int, int] | None
     deferred: bool = False
+    window_copy: tuple[int, int] | None = None  # the same copy in the window group
 
 
 class Trajectory:
@@ -75,6 +81,10 @@ class Trajectory:
         # is read only where a breakpoint pinned it). None: the longest cached prefix.
         self.reuse_limit: int | None = None
         self.closed = False
+        # Hybrid models: the sliding-window group's table, parallel to block_table.
+        self.window: WindowTable | None = None
+        if manager.window is not None:
+            self.window = WindowTable(manager.window, root_hash(salt, manager.model_digest))
         self.append_tokens(tokens)
         self.locked_node: RadixNode = self._radix.root(salt)
         self._radix.lock(self.locked_node)
@@ -154,7 +164,14 @@ class Trajectory:
         n = len(self.tokens)
         end = max(n - 1, 0) if self.reuse_limit is None else min(max(n - 1, 0), self.reuse_limit)
         match = self._radix.match(self._buf[:end], self.salt, record=False)
-        if match.num_tokens > self.num_computed_tokens:
+        window = self.window
+        computed = self.num_computed_tokens
+        if window is not None and match.num_tokens > computed:
+            # A hit must also hold the window group's KV of its last W tokens.
+            k = window.longest_valid(match.num_tokens // self._bs, computed, self._buf)
+            if k * self._bs < match.num_tokens:
+                match = self._radix.match(self._buf[: k * self._bs], self.salt, record=False)
+        if match.num_tokens > computed:
             shared = self.locked_node.depth_tokens // self._bs
             new_blocks = match.blocks(Tier.DEVICE)
             self._lock_to(match.node)
@@ -169,6 +186,8 @@ class Trajectory:
             extra = new_blocks[overlap:]
             pool.incref_many(extra)
             table.extend(extra)
+            if window is not None:
+                window.adopt(match.num_tokens // self._bs, computed, self._buf)
             self.num_computed_tokens = match.num_tokens
         if record:
             self.prompt_tokens_total += n
@@ -190,9 +209,18 @@ class Trajectory:
         if need == 0:
             return
         pool = self._pool
-        if pool.num_free < need:
-            self._radix.evict(need - pool.num_free)
-        self.block_table.extend(pool.allocate(need))
+        window = self.window
+        fresh = window.pool.allocate(need) if window is not None else []
+        try:
+            if pool.num_free < need:
+                self._radix.evict(need - pool.num_free)
+            self.block_table.extend(pool.allocate(need))
+        except OutOfBlocks:
+            if window is not None:
+                window.pool.release(fresh)
+            raise
+        if window is not None:
+            window.grow(fresh)
 
     def mark_computed(self, n: int) -> None:
         self._require_open()
@@ -208,6 +236,10 @@ class Trajectory:
                 f"{-(-done // self._bs)} blocks, table has {len(self.block_table)}; allocate first"
             )
         self.num_computed_tokens = done
+        if self.window is not None:
+            if len(self._buf) != len(self.tokens):
+                self._sync()
+            self.window.slide(done, self._buf)
 
     def commit(self) -> int:
         self._require_open()
@@ -240,11 +272,20 @@ class Trajectory:
         self.commit()
         n_full, tail = divmod(self.num_computed_tokens, self._bs)
         pool = self._pool
+        window = self.window
         dst: int | None = None
+        window_dst: int | None = None
         if tail:
-            if pool.num_free < 1:
-                self._radix.evict(1)
-            dst = pool.allocate(1)[0]
+            if window is not None:
+                window_dst = window.pool.allocate(1)[0]
+            try:
+                if pool.num_free < 1:
+                    self._radix.evict(1)
+                dst = pool.allocate(1)[0]
+            except OutOfBlocks:
+                if window is not None and window_dst is not None:
+                    window.pool.release([window_dst])
+                raise
         self._sync()
         manager = self._manager
         child = Trajectory(manager, manager.next_trajectory_id(), self.salt)
@@ -255,14 +296,22 @@ class Trajectory:
         child.block_table = shared if dst is None else [*shared, dst]
         child._lock_to(self.locked_node)
         child.num_computed_tokens = self.num_computed_tokens
+        window_copy = None
+        if window is not None:
+            child.window = window.forked(n_full, window_dst)
+            if window_dst is not None:
+                window_copy = (window.blocks[n_full], window_dst)
         manager.register(child)
         copy = None if dst is None else (self.block_table[n_full], dst)
-        return ForkResult(child, copy)
+        return ForkResult(child, copy, window_copy=window_copy)
 
     def release_kv(self, keep_in_cache: bool = True) -> None:
         self._require_open()
         if keep_in_cache:
             self.commit()
+        if self.window is not None:
+            self._sync()
+            self.window.release_all(self.num_computed_tokens, self._buf, publish=keep_in_cache)
         table = self.block_table
         self.block_table = []
         self.num_computed_tokens = 0
@@ -282,9 +331,14 @@ class Trajectory:
                 f"to {num_tokens}"
             )
         self._sync()
+        window = self.window
+        if window is not None:
+            window.forget_hashes(num_tokens // self._bs)
         if num_tokens < self.num_computed_tokens:
             bs = self._bs
             keep = num_tokens // bs
+            if window is not None:  # back to where the window group's KV is whole
+                keep = window.longest_valid(keep, self.num_computed_tokens, self._buf)
             if keep * bs < self.locked_tokens:
                 # The cut falls inside the shared path: hold only the blocks before it
                 # (matching splits the node at that block boundary).
@@ -293,6 +347,9 @@ class Trajectory:
             extra = self.block_table[keep:]
             del self.block_table[keep:]
             self._pool.decref_many(extra)
+            if window is not None:
+                window.truncate(keep)
+                window.adopt(keep, self.num_computed_tokens, self._buf)
             self.num_computed_tokens = keep * bs
         del self.tokens[num_tokens:]
         self._buf = self._buf[:num_tokens]
@@ -335,3 +392,5 @@ class Trajectory:
             len(set(self.block_table)) == len(self.block_table),
             f"trajectory {tid}: a block appears twice in its table",
         )
+        if self.window is not None:
+            self.window.check(tid, computed, len(self.block_table))

@@ -95,6 +95,8 @@ def _single_device(
         block_size=rc.block_size or DEFAULT_BLOCK_SIZE,
         gpu_memory_utilization=rc.gpu_memory_utilization,
         cuda_graphs=rc.cuda_graphs,
+        release_window_blocks=rc.release_window_blocks,
+        num_window_blocks=rc.window_kv_blocks,
         cache_dir=cache_dir,
         progress=load_progress,
         **{k: v for k, v in given.items() if v is not None},

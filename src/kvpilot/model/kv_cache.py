@@ -15,10 +15,13 @@ from kvpilot.errors import ConfigError, InvalidRequest
 from kvpilot.model.config import ModelConfig
 
 
-def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """M_block = 2 · L · H_kv · B · d_head · b_elem."""
+def kv_bytes_per_block(
+    config: ModelConfig, block_size: int, dtype: torch.dtype, num_layers: int | None = None
+) -> int:
+    """M_block = 2 · L · H_kv · B · d_head · b_elem (L: ``num_layers``, default all)."""
     elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * config.num_layers * config.num_kv_heads * block_size * config.head_dim * elem
+    layers = config.num_layers if num_layers is None else num_layers
+    return 2 * layers * config.num_kv_heads * block_size * config.head_dim * elem
 
 
 def num_blocks_for_memory(
@@ -42,7 +45,9 @@ class KVCache:
         block_size: int,
         dtype: torch.dtype,
         device: torch.device,
+        num_layers: int | None = None,
     ) -> None:
+        """``num_layers``: the layers of one layer group (hybrid models), default all."""
         if num_blocks < 1 or block_size < 1:
             raise ConfigError(
                 f"the KV pool needs num_blocks >= 1 and block_size >= 1, "
@@ -50,9 +55,10 @@ class KVCache:
             )
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.bytes_per_block = kv_bytes_per_block(config, block_size, dtype)
+        layers = config.num_layers if num_layers is None else num_layers
+        self.bytes_per_block = kv_bytes_per_block(config, block_size, dtype, layers)
         self.data = torch.zeros(
-            config.num_layers,
+            layers,
             2,
             num_blocks,
             block_size,

@@ -71,16 +71,24 @@ class LlamaModel:
         self.rope = RopeTable(config, device, dtype, config.max_position_embeddings)
 
     def forward(
-        self, batch: StepBatch, cache: KVCache, attention: AttentionBackend
+        self,
+        batch: StepBatch,
+        cache: KVCache,
+        attention: AttentionBackend,
+        window: tuple[StepBatch, KVCache] | None = None,
     ) -> torch.Tensor:
-        """Hidden states [T, hidden] after the last layer (before the final norm)."""
+        """Hidden states [T, hidden] after the last layer (before the final norm).
+
+        ``window``: a hybrid model's sliding-window group (`kvpilot.model.window_group`): its
+        layers attend over that batch and pool, the others over ``batch`` and ``cache``.
+        """
         config = self.config
         n_tokens = batch.num_tokens
         heads, kv_heads, head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         q_size, kv_size = heads * head_dim, kv_heads * head_dim
         eps = config.rms_norm_eps
         ops = self.ops  # chosen with the attention backend at load time
-        state = attention.prepare(batch, self.windows)
+        targets = self._targets(batch, cache, attention, window)
         rope = ops.rope_state(self.rope, batch.positions)
         residual = self.embed_tokens(batch.input_ids)
         delta: torch.Tensor | None = None  # the last MLP's output, not yet added
@@ -93,8 +101,16 @@ class LlamaModel:
             if layer.qk_norm is not None:
                 qk = rms_norm(qk, layer.qk_norm, eps)
             qk = ops.rope(qk, rope)
+            local, kv_cache, kv_batch, state = targets[index]
             attended = attention.forward(
-                index, qk[:, :heads], qk[:, heads:], v, cache, batch, state, self.windows[index]
+                local,
+                qk[:, :heads],
+                qk[:, heads:],
+                v,
+                kv_cache,
+                kv_batch,
+                state,
+                self.windows[index],
             )
             out = self.reduce(
                 ops.linear(attended.reshape(n_tokens, q_size), layer.o_proj, layer.o_bias)
@@ -103,6 +119,33 @@ class LlamaModel:
             gate_up = ops.linear(x, layer.gate_up, layer.gate_up_bias)
             delta = self.reduce(ops.linear(ops.silu_mul(gate_up), layer.down, layer.down_bias))
         return residual if delta is None else residual + delta
+
+    def _targets(
+        self,
+        batch: StepBatch,
+        cache: KVCache,
+        attention: AttentionBackend,
+        window: tuple[StepBatch, KVCache] | None,
+    ) -> list[tuple[int, KVCache, StepBatch, object]]:
+        """Per layer: its index in its pool, the pool, the batch and the backend's state."""
+        if window is None:
+            state = attention.prepare(batch, self.windows)
+            return [(i, cache, batch, state) for i in range(len(self.layers))]
+        window_batch, window_cache = window
+        full = [w for w in self.windows if w is None]
+        sliding = [w for w in self.windows if w is not None]
+        full_state = attention.prepare(batch, full) if full else None
+        window_state = attention.prepare(window_batch, sliding)
+        targets: list[tuple[int, KVCache, StepBatch, object]] = []
+        counts = [0, 0]
+        for w in self.windows:
+            if w is None:
+                targets.append((counts[0], cache, batch, full_state))
+                counts[0] += 1
+            else:
+                targets.append((counts[1], window_cache, window_batch, window_state))
+                counts[1] += 1
+        return targets
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits [n, vocab] of the given rows of `forward`'s output."""

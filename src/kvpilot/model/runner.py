@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from kvpilot.engine.executor import SeqWork, StepOutput
+from kvpilot.engine.executor import SeqWork, StepOutput, WindowGroupSpec
 from kvpilot.errors import ConfigError
 from kvpilot.model.attention import make_attention_backend
 from kvpilot.model.batch import StepBatch
@@ -26,6 +26,7 @@ from kvpilot.model.memory_budget import (
 )
 from kvpilot.model.sampler import Sampler, SampleRow
 from kvpilot.model.tokenizer import load_tokenizer
+from kvpilot.model.window_group import WindowGroup, has_window_group
 
 DTYPES = {
     "float32": torch.float32,
@@ -70,6 +71,12 @@ class ModelRunner:
     the model's positions and the pool. ``dtype`` ``auto`` is bfloat16 on CUDA, float32 on
     CPU. Weights load straight onto the device. On CUDA, decode-only steps replay CUDA
     graphs captured per padded batch size (``cuda_graphs=False``: always eager).
+
+    Sliding-window layers (Mistral, Qwen2/Qwen3 hybrids) keep their KV in a pool of their
+    own, ``num_window_blocks`` blocks (default: as many as the main pool, plus the null
+    block), so the engine releases the blocks wholly outside the window
+    (`kvpilot.model.window_group`); ``release_window_blocks=False`` keeps every layer in
+    one pool instead. Such a model runs its decodes eagerly (no CUDA graphs).
     """
 
     def __init__(
@@ -86,6 +93,8 @@ class ModelRunner:
         cuda_graphs: bool = True,
         cache_dir: Path | None = None,
         progress: LoadProgress | None = None,
+        release_window_blocks: bool = True,
+        num_window_blocks: int | None = None,
     ) -> None:
         if num_blocks is not None and kv_memory_bytes is not None:
             raise ConfigError("give num_blocks or kv_memory_bytes, not both")
@@ -112,10 +121,24 @@ class ModelRunner:
         if num_blocks is None:
             budget = kv_memory_bytes or self._default_kv_bytes(gpu_memory_utilization)
             num_blocks = num_blocks_for_memory(self.config, budget, block_size, self.dtype)
-        graphs = cuda_graphs and self.device.type == "cuda"
+        self.window: WindowGroup | None = None
+        if release_window_blocks and has_window_group(self.config):
+            self.window = WindowGroup(
+                self.config,
+                num_window_blocks or num_blocks + 1,
+                block_size,
+                self.dtype,
+                self.device,
+            )
+        graphs = cuda_graphs and self.device.type == "cuda" and self.window is None
         # With graphs, one extra block (never handed to the engine) absorbs padded rows.
         self.kv_cache = KVCache(
-            self.config, num_blocks + int(graphs), block_size, self.dtype, self.device
+            self.config,
+            num_blocks + int(graphs),
+            block_size,
+            self.dtype,
+            self.device,
+            num_layers=None if self.window is None else self.window.layers.num_full,
         )
         self.num_blocks = num_blocks
         self.max_model_len = min(self.config.max_position_embeddings, num_blocks * block_size)
@@ -142,6 +165,10 @@ class ModelRunner:
     @property
     def kv_bytes_per_block(self) -> int:
         return kv_bytes_per_block(self.config, self.block_size, self.dtype)
+
+    @property
+    def window_group(self) -> WindowGroupSpec | None:
+        return None if self.window is None else self.window.spec
 
     @property
     def vocab_size(self) -> int:
@@ -172,7 +199,18 @@ class ModelRunner:
             return logits[torch.tensor(list(wanted), device=self.device)] if wanted else None
         batch = self._batch(works, wanted)
         self.model.rope.ensure(batch.max_context_len)
-        hidden = self.model.forward(batch, self.kv_cache, self.attention)
+        window = None
+        if self.window is not None:
+            window_batch = self.window.batch(
+                works,
+                batch,
+                vocab_size=self.config.vocab_size,
+                max_model_len=self.max_model_len,
+                device=self.device,
+                wanted=wanted,
+            )
+            window = (window_batch, self.window.cache)
+        hidden = self.model.forward(batch, self.kv_cache, self.attention, window)
         if not wanted:
             return None
         return self.model.logits(hidden.index_select(0, batch.logits_index))
@@ -193,6 +231,16 @@ class ModelRunner:
     @torch.inference_mode()
     def poison_blocks(self, blocks: Sequence[int]) -> None:
         self.kv_cache.poison(blocks)
+
+    @torch.inference_mode()
+    def copy_window_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
+        if self.window is not None:
+            self.window.copy_blocks(pairs)
+
+    @torch.inference_mode()
+    def poison_window_blocks(self, blocks: Sequence[int]) -> None:
+        if self.window is not None:
+            self.window.poison(blocks)
 
 
 def eos_token_ids(path: Path, config: ModelConfig, tokenizer: Any) -> tuple[int, ...]:

@@ -1,0 +1,104 @@
+"""The model side of sliding-window block release: one KV pool per layer group.
+
+A model with sliding-window layers (``ModelConfig.sliding_layers``) keeps the full-attention
+layers' KV in the main `KVCache` (indexed by the engine's block tables, as for any model)
+and the sliding-window layers' KV in a second `KVCache` indexed by the window tables
+(`SeqWork.window_table`, `kvpilot.memory.window`). Block 0 of the window pool is the null
+block: all zeros, never written, never freed; the window tables point released blocks at it,
+so a kernel that reads a whole context reads zeros there, and masks them (they are outside
+the window).
+
+Each step builds a second `StepBatch` from the window tables (same tokens, same positions,
+the window group's slots), and each layer attends over its own group's pool and batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import torch
+
+from kvpilot.engine.executor import SeqWork, WindowGroupSpec
+from kvpilot.errors import ConfigError, InvalidRequest
+from kvpilot.model.batch import StepBatch
+from kvpilot.model.config import ModelConfig
+from kvpilot.model.kv_cache import KVCache
+
+
+def has_window_group(config: ModelConfig) -> bool:
+    return config.sliding_window is not None and any(config.sliding_layers)
+
+
+@dataclass(frozen=True, slots=True)
+class LayerGroups:
+    """Which pool each layer's KV lives in: ``local[i]`` is layer i's index in its group."""
+
+    windowed: tuple[bool, ...]
+    local: tuple[int, ...]
+
+    @classmethod
+    def of(cls, config: ModelConfig) -> LayerGroups:
+        windowed = tuple(config.layer_window(i) is not None for i in range(config.num_layers))
+        counts = [0, 0]
+        local = []
+        for w in windowed:
+            local.append(counts[w])
+            counts[w] += 1
+        return cls(windowed, tuple(local))
+
+    @property
+    def num_full(self) -> int:
+        return self.windowed.count(False)
+
+    @property
+    def num_windowed(self) -> int:
+        return self.windowed.count(True)
+
+
+class WindowGroup:
+    """The window group's KV pool and its per-step batch."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        if num_blocks < 2:
+            raise ConfigError(
+                f"the sliding-window pool needs >= 2 blocks (block 0 is the null block), got "
+                f"{num_blocks}"
+            )
+        assert config.sliding_window is not None
+        self.layers = LayerGroups.of(config)
+        self.spec = WindowGroupSpec(config.sliding_window, num_blocks)
+        self.cache = KVCache(
+            config, num_blocks, block_size, dtype, device, num_layers=self.layers.num_windowed
+        )
+
+    def batch(self, works: Sequence[SeqWork], full: StepBatch, **build: object) -> StepBatch:
+        """The step's batch over the window tables (``build``: `StepBatch.build`'s options)."""
+        windowed = []
+        for work in works:
+            if work.window_table is None:
+                raise InvalidRequest(
+                    f"seq {work.seq_id}: a hybrid model's work needs a window table"
+                )
+            windowed.append(replace(work, block_table=work.window_table))
+        return StepBatch.build(
+            windowed,
+            block_size=full.block_size,
+            num_blocks=self.spec.num_blocks,
+            **build,  # type: ignore[arg-type]
+        )
+
+    def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
+        self.cache.copy_blocks(pairs)
+
+    def poison(self, blocks: Sequence[int]) -> None:
+        if 0 in blocks:
+            raise InvalidRequest("the null window block is never freed, so never poisoned")
+        self.cache.poison(blocks)

@@ -1,0 +1,120 @@
+"""The memory core's random agent workloads again, on a hybrid model's two layer groups.
+
+Every operation of `MemoryMachine` (turns, forks, commits, releases, truncations by
+release, evictions, tier moves) now also keeps a sliding-window group: each trajectory's
+window table is checked against a model of window-group KV contents. Window KV may only be
+written into a window block the trajectory holds alone (never the null block, never a cached
+one), every window block a trajectory holds inside its window must carry the KV of its
+tokens, and everything the memory core's `check_invariants` says of the groups must hold
+(refcounts of trajectories plus cache, nulls exactly below the window, at most
+ceil(W/B) + 1 window blocks of computed KV per trajectory).
+"""
+
+from __future__ import annotations
+
+from hypothesis import strategies as st
+from hypothesis.stateful import invariant, precondition, rule
+from test_memory_stateful import B, MemoryMachine, kv
+
+from kvpilot.errors import OutOfBlocks
+from kvpilot.memory import KVConfig, KVManager, Trajectory
+from kvpilot.memory.window import NULL_BLOCK
+
+
+class WindowMachine(MemoryMachine):
+    WINDOW = 6  # not a multiple of B: a block is partly inside the window
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mgr = KVManager(
+            KVConfig(
+                block_size=B,
+                num_device_blocks=14,
+                num_host_blocks=8,
+                window_tokens=self.WINDOW,
+                num_window_blocks=10,
+            )
+        )
+        self.window_kv: dict[int, dict[int, int]] = {}
+
+    def allocate(self, traj: Trajectory, n: int) -> bool:
+        assert traj.window is not None
+        before = list(traj.window.blocks)
+        held = self.mgr.window.pool.num_used if self.mgr.window else 0
+        if not super().allocate(traj, n):
+            assert traj.window.blocks == before
+            assert self.mgr.window is not None and self.mgr.window.pool.num_used <= held
+            return False
+        for block in traj.window.blocks[len(before) :]:
+            self.window_kv[block] = {}
+        return True
+
+    def compute(self, traj: Trajectory, n: int) -> None:
+        assert traj.window is not None and self.mgr.window is not None
+        start = traj.num_computed_tokens
+        cached = set(self.mgr.window.cache.values())
+        for pos in range(start, start + n):
+            block = traj.window.blocks[pos // B]
+            assert block != NULL_BLOCK, "window KV written into the null block"
+            assert block not in cached, "window KV written into a cached block"
+            assert self.mgr.window.pool.refcount(block) == 1, "window KV into a shared block"
+            self.window_kv[block][pos % B] = kv(traj.tokens, pos)
+        super().compute(traj, n)
+
+    @precondition(lambda self: self.mgr.trajectories)
+    @rule(i=st.integers(0, 50))
+    def fork(self, i: int) -> None:
+        parent = self.pick(i)
+        before = set(self.mgr.trajectories)
+        try:
+            result = parent.fork()
+        except OutOfBlocks:
+            assert set(self.mgr.trajectories) == before
+            return
+        if result.copy is not None:
+            src, dst = result.copy
+            self.device_kv[dst] = dict(self.device_kv[src])
+            assert result.window_copy is not None
+            wsrc, wdst = result.window_copy
+            self.window_kv[wdst] = dict(self.window_kv[wsrc])
+        else:
+            assert result.window_copy is None
+
+    @precondition(lambda self: self.mgr.trajectories)
+    @rule(i=st.integers(0, 50), cut=st.integers(0, 48))
+    def truncate(self, i: int, cut: int) -> None:
+        traj = self.pick(i)
+        traj.truncate(min(cut, len(traj.tokens)))
+
+    @invariant()
+    def window_blocks_hold_the_kv_of_their_tokens(self) -> None:
+        window = self.mgr.window
+        assert window is not None
+        for traj in self.mgr.trajectories.values():
+            table = traj.window
+            assert table is not None
+            p = traj.num_computed_tokens  # the next query: it reads keys p - W < k < p
+            for pos in range(max(0, p - self.WINDOW + 1), p):
+                block = table.blocks[pos // B]
+                assert block != NULL_BLOCK, f"position {pos} is in the window of {p}"
+                assert self.window_kv[block].get(pos % B) == kv(traj.tokens, pos)
+            held = [b for b in table.blocks[: -(-p // B)] if b != NULL_BLOCK]
+            assert len(held) <= -(-self.WINDOW // B) + 1, "more than ceil(W/B)+1 held"
+
+    def teardown(self) -> None:
+        super().teardown()
+        window = self.mgr.window
+        assert window is not None
+        everything = window.allocate(window.pool.num_free + window.evictable_blocks())
+        window.release(everything)
+        assert window.pool.num_used == 1 and not window.cache  # the null block only
+
+
+class AlignedWindowMachine(WindowMachine):
+    WINDOW = 8  # a multiple of B
+
+
+WindowMachine.TestCase.settings = MemoryMachine.TestCase.settings
+AlignedWindowMachine.TestCase.settings = MemoryMachine.TestCase.settings
+test_window_group_under_random_agent_workloads = WindowMachine.TestCase
+test_aligned_window_group_under_random_agent_workloads = AlignedWindowMachine.TestCase

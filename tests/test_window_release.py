@@ -1,0 +1,178 @@
+"""Sliding-window block release on hybrid checkpoints: identical to transformers, and
+identical across every cache decision, while the window group holds only the last window.
+
+Checkpoints (tests/window_models.py): Mistral-style (every layer windowed) and Qwen3-style
+mixed layers, W = 32, block size 8, contexts four to six windows long. Freed blocks are
+poisoned (NaN) by the suite, the window group's included, so a read of a released block
+would show in the logits.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from window_models import (
+    GREEDY,
+    WINDOW,
+    assert_matches_transformers,
+    build_hybrid,
+    held_window_blocks,
+    long_prompts,
+    window_engine,
+)
+
+from kvpilot.memory.window import max_held_blocks
+
+from equivalence import LogitRecorder, Turn, assert_same_turns
+
+B = 8
+
+
+@pytest.fixture(scope="module", params=["mistral", "qwen3"])
+def hybrid(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_hybrid(request.param, tmp_path_factory.mktemp("hybrid"))
+
+
+def generate(engine_options: dict[str, object], path: Path, batch: list[list[int]]) -> list[Turn]:
+    return LogitRecorder(window_engine(path, **engine_options)).generate(batch, GREEDY)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"max_prefill_chunk": 24, "max_num_batched_tokens": 64}, {"chunked_prefill": False}],
+    ids=["chunked", "monolithic"],
+)
+def test_identical_to_transformers(hybrid: Path, options: dict[str, object]) -> None:
+    batch = long_prompts(3, seed=1)
+    engine = window_engine(hybrid, **options)
+    recorder = LogitRecorder(engine)
+    peak = 0
+    ids = [engine.add_request(p, GREEDY) for p in batch]
+    seqs = [engine.requests[rid].seqs[0].seq_id for rid in ids]
+    while engine.has_unfinished():
+        engine.step()
+        engine.check_invariants()  # the window group's invariants among them
+        for seq in engine.scheduler.running:
+            assert seq.traj.window is not None
+            table = seq.traj.window
+            computed = -(-seq.traj.num_computed_tokens // B)
+            peak = max(peak, computed - table.lo)
+    outs = [engine.pop_output(rid) for rid in ids]
+    for prompt, seq_id, out in zip(batch, seqs, outs, strict=True):
+        turn = recorder._turn(seq_id, out.token_ids)
+        assert_matches_transformers(hybrid, prompt, turn.tokens, turn.logits)
+    assert 0 < peak <= max_held_blocks(WINDOW, B)
+
+
+def test_blocks_outside_the_window_are_released(hybrid: Path) -> None:
+    """Held window blocks stay within ceil(W/B)+1 per sequence; without release, every block
+    of the context is held in the one pool."""
+    prompt = long_prompts(1, seed=2, lo=6 * WINDOW, hi=6 * WINDOW)[0]
+    chunk = {"max_prefill_chunk": 32, "max_num_batched_tokens": 32}
+    released = window_engine(hybrid, **chunk)
+    kept = window_engine(hybrid, release_window_blocks=False, **chunk)
+    assert kept.kv.window is None
+    rid = released.add_request(prompt, GREEDY)
+    kid = kept.add_request(prompt, GREEDY)
+    peak_released = peak_kept = 0
+    while released.has_unfinished() or kept.has_unfinished():
+        for engine in (released, kept):
+            if engine.has_unfinished():
+                engine.step()
+        peak_released = max(peak_released, held_window_blocks(released))
+        peak_kept = max(peak_kept, kept.kv.device.num_used)
+    assert released.pop_output(rid).token_ids == kept.pop_output(kid).token_ids
+    context_blocks = -(-(len(prompt) + GREEDY.max_tokens) // B)
+    assert peak_kept >= context_blocks - 1
+    # At most the last window plus one chunk's blocks, while the chunk is computed.
+    assert peak_released <= max_held_blocks(WINDOW, B) + 32 // B
+    assert held_window_blocks(released) == 0  # finished: what is left is evictable cache
+    window = released.kv.window
+    assert window is not None
+    assert window.evictable_blocks() >= context_blocks - max_held_blocks(WINDOW, B) - 1
+
+
+def test_session_turns_and_stateless_history_reuse_the_prefix(hybrid: Path) -> None:
+    engine = window_engine(hybrid)
+    session = engine.open_session()
+    recorder = LogitRecorder(engine)
+    history: list[int] = []
+    for turn, new in enumerate(long_prompts(3, seed=3, lo=WINDOW, hi=2 * WINDOW)):
+        rid = session.submit(new, GREEDY)
+        request = engine.requests[rid]
+        got = recorder.finish(rid)
+        engine.check_invariants()
+        history += new
+        assert_matches_transformers(hybrid, history, got.tokens, got.logits)
+        if turn:
+            assert request.cached_tokens == len(history) - len(new) - 1
+        history += list(got.tokens)
+    session.close()
+    # A stateless client resends the whole history: the prefix cache (full group: radix;
+    # window group: the last window's blocks, published when the session closed) serves it.
+    follow = history + long_prompts(1, seed=4, lo=10, hi=10)[0]
+    rid = engine.add_request(follow, GREEDY)
+    got = recorder.finish(rid)
+    assert engine.requests[rid].cached_tokens >= (len(history) - 1) // B * B - B
+    assert_matches_transformers(hybrid, follow, got.tokens, got.logits)
+
+
+def test_forks_share_window_blocks(hybrid: Path) -> None:
+    engine = window_engine(hybrid)
+    base = engine.open_session()
+    first = long_prompts(1, seed=5, lo=4 * WINDOW + 5, hi=4 * WINDOW + 5)[0]
+    out = base.generate(first, GREEDY)
+    history = first + list(out.token_ids)
+    branches = base.fork(2)
+    window = engine.kv.window
+    assert window is not None
+    shared = [b for b in base.traj.window.blocks if b] if base.traj.window else []
+    assert shared and all(window.pool.refcount(b) >= 3 for b in shared[:-1])
+    recorder = LogitRecorder(engine)
+    for branch, suffix in zip(branches, long_prompts(2, seed=6, lo=4, hi=9), strict=True):
+        got = recorder.finish(branch.submit(suffix, GREEDY))
+        engine.check_invariants()
+        assert_matches_transformers(hybrid, history + suffix, got.tokens, got.logits)
+
+
+def test_preempted_and_recomputed_identical(hybrid: Path) -> None:
+    batch = long_prompts(4, seed=7)
+    tight = window_engine(hybrid, kv_blocks=40)
+    roomy = window_engine(hybrid, kv_blocks=512)
+    got = LogitRecorder(tight).generate(batch, GREEDY)
+    assert tight.scheduler.num_preemptions > 0
+    assert_same_turns(got, LogitRecorder(roomy).generate(batch, GREEDY))
+    for prompt, turn in zip(batch[:1], got, strict=False):
+        assert_matches_transformers(hybrid, prompt, turn.tokens, turn.logits)
+
+
+def test_pause_offload_and_reload(hybrid: Path, tmp_path: Path) -> None:
+    """A session pausing to host between turns: its full-group blocks go to host and come
+    back; its window group's last window stays on the device, cached, and is reused."""
+    engine = window_engine(
+        hybrid,
+        host_kv_blocks=256,
+        pause_policy="offload-host",
+        disk_dir=str(tmp_path / "disk"),
+        disk_kv_blocks=64,
+    )
+    recorder = LogitRecorder(engine)
+    session = engine.open_session()
+    history: list[int] = []
+    for turn, new in enumerate(long_prompts(3, seed=8, lo=WINDOW, hi=2 * WINDOW)):
+        rid = session.submit(new, GREEDY)
+        request = engine.requests[rid]
+        got = recorder.finish(rid)
+        engine.check_invariants()
+        history += new
+        assert_matches_transformers(hybrid, history, got.tokens, got.logits)
+        if turn:
+            assert request.cached_tokens > 0, "the reloaded prefix was not reused"
+        history += list(got.tokens)
+        session.pause(expected_wait_s=30.0, tool="pytest")
+        while engine.offload.busy():
+            engine.step()
+            engine.check_invariants()
+        assert not session.traj.block_table  # the device copy went to host
+    assert engine.offload.stats.swapped_out_blocks > 0
