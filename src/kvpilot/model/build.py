@@ -97,6 +97,7 @@ def _single_device(
         cuda_graphs=rc.cuda_graphs,
         release_window_blocks=rc.release_window_blocks,
         num_window_blocks=rc.window_kv_blocks,
+        tiered=rc.tiers.any,
         cache_dir=cache_dir,
         progress=load_progress,
         **{k: v for k, v in given.items() if v is not None},

@@ -76,7 +76,10 @@ class ModelRunner:
     own, ``num_window_blocks`` blocks (default: as many as the main pool, plus the null
     block), so the engine releases the blocks wholly outside the window
     (`kvpilot.model.window_group`); ``release_window_blocks=False`` keeps every layer in
-    one pool instead. Such a model runs its decodes eagerly (no CUDA graphs).
+    one pool instead. Such a model runs its decodes eagerly (no CUDA graphs). The window
+    group never moves between tiers, so a model with no full-attention layer at all keeps
+    every layer in the one pool when it has host or disk tiers (``tiered``): the tiers
+    would have nothing to hold.
     """
 
     def __init__(
@@ -95,6 +98,7 @@ class ModelRunner:
         progress: LoadProgress | None = None,
         release_window_blocks: bool = True,
         num_window_blocks: int | None = None,
+        tiered: bool = False,
     ) -> None:
         if num_blocks is not None and kv_memory_bytes is not None:
             raise ConfigError("give num_blocks or kv_memory_bytes, not both")
@@ -122,7 +126,7 @@ class ModelRunner:
             budget = kv_memory_bytes or self._default_kv_bytes(gpu_memory_utilization)
             num_blocks = num_blocks_for_memory(self.config, budget, block_size, self.dtype)
         self.window: WindowGroup | None = None
-        if release_window_blocks and has_window_group(self.config):
+        if release_window_blocks and has_window_group(self.config, tiered=tiered):
             self.window = WindowGroup(
                 self.config,
                 num_window_blocks or num_blocks + 1,

@@ -26,8 +26,13 @@ from kvpilot.model.config import ModelConfig
 from kvpilot.model.kv_cache import KVCache
 
 
-def has_window_group(config: ModelConfig) -> bool:
-    return config.sliding_window is not None and any(config.sliding_layers)
+def has_window_group(config: ModelConfig, *, tiered: bool = False) -> bool:
+    """Whether the model's sliding-window layers get a pool of their own. Not with host or
+    disk tiers (``tiered``) when every layer is windowed: window KV stays on the device, so
+    the tiers would hold nothing (such a model keeps every block in the one pool)."""
+    if config.sliding_window is None or not any(config.sliding_layers):
+        return False
+    return not (tiered and all(config.sliding_layers))
 
 
 @dataclass(frozen=True, slots=True)
