@@ -188,3 +188,23 @@ def test_pause_offload_and_reload(
     moved = engine.offload.stats.bytes_moved
     tier = "host" if policy == "offload-host" else "disk"
     assert moved[f"device_to_{tier}"] > 0 and moved[f"{tier}_to_device"] > 0
+
+
+def test_hit_without_its_window_recomputes_from_where_it_is_whole(hybrid: Path) -> None:
+    """A small window pool evicts cached window blocks that the full group still has: a hit
+    on that prefix is cut back to where the window group's KV is whole, and recomputed."""
+    chunked = {"max_prefill_chunk": 32, "max_num_batched_tokens": 32}
+    engine = window_engine(hybrid, window_kv_blocks=16, **chunked)
+    first, other = long_prompts(2, seed=9, lo=5 * WINDOW, hi=5 * WINDOW)
+    recorder = LogitRecorder(engine)
+    recorder.generate([first], GREEDY)
+    recorder.generate([other], GREEDY)  # its blocks evict the first prompt's window cache
+    window = engine.kv.window
+    assert window is not None and window.evictions > 0
+    assert engine.kv.radix.match(first, None, record=False).num_tokens >= len(first) - B
+    rid = engine.add_request(first + [7, 8, 9], GREEDY)
+    request = engine.requests[rid]
+    got = recorder.finish(rid)
+    engine.check_invariants()
+    assert request.cached_tokens < len(first) - B  # cut back: the last window was evicted
+    assert_matches_transformers(hybrid, first + [7, 8, 9], got.tokens, got.logits)
