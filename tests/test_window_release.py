@@ -150,9 +150,7 @@ def test_preempted_and_recomputed_identical(hybrid: Path) -> None:
 
 
 @pytest.mark.parametrize("policy", ["offload-host", "offload-disk"])
-def test_pause_offload_and_reload(
-    hybrid: Path, policy: str, tmp_path: Path
-) -> None:
+def test_pause_offload_and_reload(hybrid: Path, policy: str, tmp_path: Path) -> None:
     """A session pausing to host or disk between turns: its full-group blocks go there and
     come back; its window group's last window stays on the device, cached, and is reused.
     (Every layer windowed: nothing would move, so such a model keeps one pool with tiers.)"""
@@ -202,9 +200,10 @@ def test_hit_without_its_window_recomputes_from_where_it_is_whole(hybrid: Path) 
     window = engine.kv.window
     assert window is not None and window.evictions > 0
     assert engine.kv.radix.match(first, None, record=False).num_tokens >= len(first) - B
-    rid = engine.add_request(first + [7, 8, 9], GREEDY)
+    follow = [*first, 7, 8, 9]
+    rid = engine.add_request(follow, GREEDY)
     request = engine.requests[rid]
     got = recorder.finish(rid)
     engine.check_invariants()
     assert request.cached_tokens < len(first) - B  # cut back: the last window was evicted
-    assert_matches_transformers(hybrid, first + [7, 8, 9], got.tokens, got.logits)
+    assert_matches_transformers(hybrid, follow, got.tokens, got.logits)

@@ -19,7 +19,7 @@ from kvpilot.engine.admission import admission_hooks
 from kvpilot.engine.branches import fork_branches
 from kvpilot.engine.clock import Clock, WallClock
 from kvpilot.engine.config import EngineConfig, check_honoured
-from kvpilot.engine.executor import Executor, TierTransport, WindowExecutor
+from kvpilot.engine.executor import Executor, TierTransport, WindowExecutor, window_kv_options
 from kvpilot.engine.offload import OffloadManager
 from kvpilot.engine.outputs import as_prompt_list, snapshot, stop_reason
 from kvpilot.engine.request import (
@@ -74,15 +74,13 @@ class Engine:
             self.max_model_len, vocab_size, executor.num_blocks, executor.block_size
         )
         host_blocks = transport.num_host_blocks if transport is not None else 0
-        window = executor.window_group if isinstance(executor, WindowExecutor) else None
         self.kv = KVManager(
             KVConfig(
                 block_size=executor.block_size,
                 num_device_blocks=executor.num_blocks,
                 num_host_blocks=host_blocks,
                 model_fingerprint=executor.fingerprint.digest,
-                window_tokens=window.window_tokens if window is not None else 0,
-                num_window_blocks=window.num_blocks if window is not None else 0,
+                **window_kv_options(executor),
             ),
             clock=self.clock.now,
         )

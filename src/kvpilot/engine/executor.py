@@ -105,6 +105,14 @@ class WindowExecutor(Protocol):
         ...
 
 
+def window_kv_options(executor: object) -> dict[str, int]:
+    """`KVConfig` fields for the executor's window group (none: no such group)."""
+    spec = executor.window_group if isinstance(executor, WindowExecutor) else None
+    if spec is None:
+        return {}
+    return {"window_tokens": spec.window_tokens, "num_window_blocks": spec.num_blocks}
+
+
 class Transfer(Protocol):
     """A copy in flight (a `concurrent.futures.Future` satisfies it).
 

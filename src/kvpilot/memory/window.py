@@ -95,7 +95,12 @@ class WindowPool:
 
     def _evict(self, n: int) -> None:
         refcount = self.pool.refcount
-        victims = [h for h, block in self.cache.items() if refcount(block) == 1][:n]
+        victims: list[bytes] = []
+        for h, block in self.cache.items():  # least recently used first
+            if refcount(block) == 1:
+                victims.append(h)
+                if len(victims) == n:
+                    break
         for h in victims:
             self.pool.decref(self.cache.pop(h))
         self.evictions += len(victims)

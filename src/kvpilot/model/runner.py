@@ -73,13 +73,14 @@ class ModelRunner:
     graphs captured per padded batch size (``cuda_graphs=False``: always eager).
 
     Sliding-window layers (Mistral, Qwen2/Qwen3 hybrids) keep their KV in a pool of their
-    own, ``num_window_blocks`` blocks (default: as many as the main pool, plus the null
-    block), so the engine releases the blocks wholly outside the window
-    (`kvpilot.model.window_group`); ``release_window_blocks=False`` keeps every layer in
-    one pool instead. Such a model runs its decodes eagerly (no CUDA graphs). The window
-    group never moves between tiers, so a model with no full-attention layer at all keeps
-    every layer in the one pool when it has host or disk tiers (``tiered``): the tiers
-    would have nothing to hold.
+    own with ``release_window_blocks`` (the engine's builder turns it on, `RunnerConfig`):
+    ``num_window_blocks`` blocks (default: as many as the main pool, plus the null block),
+    and the engine releases the blocks wholly outside the window
+    (`kvpilot.model.window_group`; every work then carries a window table). Off, every
+    layer's KV is in the one pool. With a window group, decodes run eagerly (no CUDA
+    graphs). The window group never moves between tiers, so a model with no full-attention
+    layer at all keeps every layer in the one pool when it has host or disk tiers
+    (``tiered``): the tiers would have nothing to hold.
     """
 
     def __init__(
@@ -96,7 +97,7 @@ class ModelRunner:
         cuda_graphs: bool = True,
         cache_dir: Path | None = None,
         progress: LoadProgress | None = None,
-        release_window_blocks: bool = True,
+        release_window_blocks: bool = False,
         num_window_blocks: int | None = None,
         tiered: bool = False,
     ) -> None:
