@@ -22,6 +22,7 @@ from window_models import (
     window_engine,
 )
 
+from kvpilot.engine import SamplingParams
 from kvpilot.memory.window import max_held_blocks
 
 from equivalence import LogitRecorder, Turn, assert_same_turns
@@ -40,8 +41,12 @@ def generate(engine_options: dict[str, object], path: Path, batch: list[list[int
 
 @pytest.mark.parametrize(
     "options",
-    [{"max_prefill_chunk": 24, "max_num_batched_tokens": 64}, {"chunked_prefill": False}],
-    ids=["chunked", "monolithic"],
+    [
+        {"max_prefill_chunk": 24, "max_num_batched_tokens": 64},
+        {"max_prefill_chunk": 24, "max_num_batched_tokens": 64, "attention": "torch"},
+        {"chunked_prefill": False},
+    ],
+    ids=["chunked", "chunked-torch-backend", "monolithic"],
 )
 def test_identical_to_transformers(hybrid: Path, options: dict[str, object]) -> None:
     batch = long_prompts(3, seed=1)
@@ -207,3 +212,19 @@ def test_hit_without_its_window_recomputes_from_where_it_is_whole(hybrid: Path) 
     engine.check_invariants()
     assert request.cached_tokens < len(first) - B  # cut back: the last window was evicted
     assert_matches_transformers(hybrid, follow, got.tokens, got.logits)
+
+
+def test_n_branches_fork_in_both_groups(hybrid: Path) -> None:
+    """n > 1: one prefill, then forks whose partial tail is copied in both layer groups."""
+    prompt = long_prompts(1, seed=10, lo=4 * WINDOW + 3, hi=4 * WINDOW + 3)[0]
+    engine = window_engine(hybrid)
+    params = SamplingParams(max_tokens=8, temperature=0.8, seed=5, n=3, ignore_eos=True)
+    out = engine.generate([prompt], params)[0]
+    assert engine.stats.prefill_tokens == len(prompt) and engine.stats.fork_copied_blocks
+    for branch in out.outputs:
+        solo = window_engine(hybrid)
+        single = SamplingParams(
+            max_tokens=8, temperature=0.8, seed=5 + branch.index, ignore_eos=True
+        )
+        want = solo.generate([prompt], single)[0].outputs[0].token_ids
+        assert list(branch.token_ids) == list(want)
