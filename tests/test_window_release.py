@@ -22,8 +22,9 @@ from window_models import (
     window_engine,
 )
 
-from kvpilot.engine import SamplingParams
+from kvpilot.engine import Engine, SamplingParams
 from kvpilot.memory.window import max_held_blocks
+from kvpilot.model.runner import ModelRunner
 
 from equivalence import LogitRecorder, Turn, assert_same_turns
 
@@ -228,3 +229,25 @@ def test_n_branches_fork_in_both_groups(hybrid: Path) -> None:
         )
         want = solo.generate([prompt], single)[0].outputs[0].token_ids
         assert list(branch.token_ids) == list(want)
+
+
+def test_pools_sized_from_memory_give_the_full_group_the_rest(hybrid: Path) -> None:
+    """Sized from a memory budget, the window pool holds a full batch's windows and the main
+    pool gets the rest: more blocks than one pool of every layer, within the budget."""
+    budget = 4 << 20
+    options = {"kv_memory_bytes": budget, "max_num_seqs": 4, "max_num_batched_tokens": 64}
+    one_pool = Engine.from_pretrained(str(hybrid), release_window_blocks=False, **options)
+    split = Engine.from_pretrained(str(hybrid), **options)
+    window = split.kv.window
+    assert window is not None
+    runner = split.executor
+    assert isinstance(runner, ModelRunner) and runner.window is not None
+    per_seq = -(-WINDOW // 16) + 2  # the default block size is 16
+    assert window.pool.num_blocks == 4 * per_seq + 64 // 16 + 1
+    assert split.kv.device.num_blocks > one_pool.kv.device.num_blocks
+    used = split.kv.device.num_blocks * runner.kv_cache.bytes_per_block
+    used += window.pool.num_blocks * runner.window.cache.bytes_per_block
+    assert used <= budget
+    prompt = long_prompts(1, seed=11)[0]
+    turn = LogitRecorder(split).generate([prompt], GREEDY)[0]
+    assert_matches_transformers(hybrid, prompt, turn.tokens, turn.logits)

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvpilot.engine.clock import Clock
-from kvpilot.engine.config import DEFAULT_BLOCK_SIZE, EngineConfig, RunnerConfig
+from kvpilot.engine.config import DEFAULT_BLOCK_SIZE, EngineConfig
 from kvpilot.engine.engine import Engine
 from kvpilot.engine.executor import Executor, TierTransport
 from kvpilot.model.runner import ModelRunner
@@ -45,7 +45,7 @@ def build_engine(
 
         runner, transport = build_tensor_parallel(model, rc, cache_dir, load_progress)
     else:
-        runner, transport = _single_device(model, rc, cache_dir, load_progress)
+        runner, transport = _single_device(model, config, cache_dir, load_progress)
     tiers = rc.tiers
     disk = sessions = None
     try:
@@ -83,10 +83,11 @@ def build_engine(
 
 def _single_device(
     model: str | Path,
-    rc: RunnerConfig,
+    config: EngineConfig,
     cache_dir: Path | None,
     load_progress: LoadProgress | None,
 ) -> tuple[ModelRunner, TorchTierTransport | None]:
+    rc = config.runner
     given = {"dtype": rc.dtype, "device": rc.device, "attention": rc.attention}
     runner = ModelRunner(
         model,
@@ -98,6 +99,8 @@ def _single_device(
         release_window_blocks=rc.release_window_blocks,
         num_window_blocks=rc.window_kv_blocks,
         tiered=rc.tiers.any,
+        max_num_seqs=config.scheduler.max_num_seqs,
+        max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
         cache_dir=cache_dir,
         progress=load_progress,
         **{k: v for k, v in given.items() if v is not None},

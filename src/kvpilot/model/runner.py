@@ -26,7 +26,7 @@ from kvpilot.model.memory_budget import (
 )
 from kvpilot.model.sampler import Sampler, SampleRow
 from kvpilot.model.tokenizer import load_tokenizer
-from kvpilot.model.window_group import WindowGroup, has_window_group
+from kvpilot.model.window_group import WindowGroup, has_window_group, split_kv_budget
 
 DTYPES = {
     "float32": torch.float32,
@@ -74,7 +74,9 @@ class ModelRunner:
 
     Sliding-window layers (Mistral, Qwen2/Qwen3 hybrids) keep their KV in a pool of their
     own with ``release_window_blocks`` (the engine's builder turns it on, `RunnerConfig`):
-    ``num_window_blocks`` blocks (default: as many as the main pool, plus the null block),
+    ``num_window_blocks`` blocks (default with ``num_blocks``: as many as the main pool,
+    plus the null block; sized from memory: `split_kv_budget` for ``max_num_seqs``
+    sequences and a step of ``max_num_batched_tokens``, the main pool the rest),
     and the engine releases the blocks wholly outside the window
     (`kvpilot.model.window_group`; every work then carries a window table). Off, every
     layer's KV is in the one pool. With a window group, decodes run eagerly (no CUDA
@@ -100,6 +102,8 @@ class ModelRunner:
         release_window_blocks: bool = False,
         num_window_blocks: int | None = None,
         tiered: bool = False,
+        max_num_seqs: int = 128,
+        max_num_batched_tokens: int = 2048,
     ) -> None:
         if num_blocks is not None and kv_memory_bytes is not None:
             raise ConfigError("give num_blocks or kv_memory_bytes, not both")
@@ -123,17 +127,26 @@ class ModelRunner:
             progress.step("kv_pool")
         self.block_size = block_size
         self.fingerprint = model_fingerprint(self.path, self.config, self.dtype, block_size)
+        windowed = release_window_blocks and has_window_group(self.config, tiered=tiered)
+        window_blocks = num_window_blocks
         if num_blocks is None:
             budget = kv_memory_bytes or self._default_kv_bytes(gpu_memory_utilization)
-            num_blocks = num_blocks_for_memory(self.config, budget, block_size, self.dtype)
+            if windowed and num_window_blocks is None:
+                split = split_kv_budget(
+                    self.config,
+                    budget,
+                    block_size,
+                    self.dtype,
+                    max_num_seqs=max_num_seqs,
+                    max_num_batched_tokens=max_num_batched_tokens,
+                )
+                num_blocks, window_blocks = split.main_blocks, split.window_blocks
+            else:
+                num_blocks = num_blocks_for_memory(self.config, budget, block_size, self.dtype)
         self.window: WindowGroup | None = None
-        if release_window_blocks and has_window_group(self.config, tiered=tiered):
+        if windowed:
             self.window = WindowGroup(
-                self.config,
-                num_window_blocks or num_blocks + 1,
-                block_size,
-                self.dtype,
-                self.device,
+                self.config, window_blocks or num_blocks + 1, block_size, self.dtype, self.device
             )
         graphs = cuda_graphs and self.device.type == "cuda" and self.window is None
         # With graphs, one extra block (never handed to the engine) absorbs padded rows.
