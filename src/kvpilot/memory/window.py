@@ -52,6 +52,7 @@ class WindowPool:
     """The window group's device pool (block 0 reserved as the null block) and its cache."""
 
     __slots__ = ("block_size", "cache", "evictions", "hits", "pool", "window")
+    # hits: blocks a prefix hit took from the cache; evictions: cache entries evicted
 
     def __init__(self, num_blocks: int, window: int, block_size: int) -> None:
         if window < 1:

@@ -110,7 +110,7 @@ class WindowTable:
             if blocks[i] != NULL_BLOCK and i >= self.lo:
                 pool.release([blocks[i]])
             blocks[i] = cached
-        pool.hits += max(0, k - lo)
+            pool.hits += 1
         if lo > self.lo:
             # Blocks now below the window: publish the computed ones, drop all.
             for i in range(self.lo, lo):
