@@ -251,3 +251,15 @@ def test_pools_sized_from_memory_give_the_full_group_the_rest(hybrid: Path) -> N
     prompt = long_prompts(1, seed=11)[0]
     turn = LogitRecorder(split).generate([prompt], GREEDY)[0]
     assert_matches_transformers(hybrid, prompt, turn.tokens, turn.logits)
+
+
+def test_short_window_pool_preempts_and_stays_identical(hybrid: Path) -> None:
+    """The window pool, not the main one, runs out: the scheduler preempts as for the main
+    pool (an allocation needs both), and outputs do not change."""
+    batch = long_prompts(4, seed=12)
+    chunked = {"max_prefill_chunk": 16, "max_num_batched_tokens": 64}
+    tight = window_engine(hybrid, window_kv_blocks=20, **chunked)
+    got = LogitRecorder(tight).generate(batch, GREEDY)
+    assert tight.scheduler.num_preemptions > 0
+    roomy = window_engine(hybrid, **chunked)
+    assert_same_turns(got, LogitRecorder(roomy).generate(batch, GREEDY))
