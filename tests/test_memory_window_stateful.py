@@ -14,10 +14,10 @@ from __future__ import annotations
 
 from hypothesis import strategies as st
 from hypothesis.stateful import invariant, precondition, rule
-from test_memory_stateful import B, MemoryMachine, kv
+from test_memory_stateful import B, MemoryMachine, kv, path_tokens, small_tokens
 
 from kvpilot.errors import OutOfBlocks
-from kvpilot.memory import KVConfig, KVManager, Trajectory
+from kvpilot.memory import KVConfig, KVManager, Tier, Trajectory
 from kvpilot.memory.window import NULL_BLOCK
 
 
@@ -79,6 +79,27 @@ class WindowMachine(MemoryMachine):
             self.window_kv[wdst] = dict(self.window_kv[wsrc])
         else:
             assert result.window_copy is None
+
+    @precondition(lambda self: any(j.src is Tier.DEVICE for j in self.in_flight))
+    @rule(k=st.integers(0, 50), extra=small_tokens)
+    def resume_while_moving_out(self, k: int, extra: list[int]) -> None:
+        """As the base machine's, but a hit counts only as far as its window is cached: the
+        whole moving node at least when its last window is."""
+        moving = [n for j in self.in_flight if j.src is Tier.DEVICE for n in j.nodes if n.alive]
+        if not moving:
+            return
+        node = moving[k % len(moving)]
+        root = node
+        while root.parent is not None:
+            root = root.parent
+        salt = next(s for s, r in self.mgr.radix.roots().items() if r is root)
+        traj = self.mgr.open_trajectory(salt, [*path_tokens(node), *extra, 1])
+        assert traj.window is not None
+        blocks = node.depth_tokens // B
+        whole = traj.window.longest_valid(blocks, 0, traj.token_array()) == blocks
+        cached = traj.reuse_prefix()
+        if whole:  # (if not, a deeper hit may still have its own window cached)
+            assert cached >= node.depth_tokens
 
     @precondition(lambda self: self.mgr.trajectories)
     @rule(i=st.integers(0, 50), cut=st.integers(0, 48))
