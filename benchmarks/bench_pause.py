@@ -152,6 +152,9 @@ def main() -> None:
     )
     parser.add_argument("--policies", default=",".join(POLICY_NAMES))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--sim-seeds", default="0,1,2", help="workload draws of the simulated node (medians)"
+    )
     parser.add_argument("--no-sim", action="store_true")
     parser.add_argument("--no-cpu", action="store_true")
     parser.add_argument("--no-disk", action="store_true")

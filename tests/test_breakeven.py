@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvpilot.errors import ConfigError
-from kvpilot.policy.breakeven import PauseAction, PauseInputs, decide_pause
+from kvpilot.policy.breakeven import ENGINE_THRESHOLDS, PauseAction, PauseInputs, decide_pause
 from kvpilot.policy.pause import POLICY_NAMES, make_pause_policy
 
 GB = 1e9
@@ -215,3 +215,18 @@ def test_fixed_policies_say_their_decision_once_too(name: str) -> None:
     d = make_pause_policy(name).decide(NAPKIN_0_6)
     assert_one_sentence_led_by_the_decision(d.reason, d.action)
     assert "10.7 GB" in d.reason
+
+
+def test_engine_thresholds_defer_a_drop_to_the_moment_memory_is_needed() -> None:
+    # No host room, no disk: the way out is to drop, and 45 s is far past the 1.3 s
+    # recompute. Where reclaim demotes at once when memory is needed, nothing is gained by
+    # dropping now: the engine's thresholds retain, and say why.
+    inputs = with_(host_free_bytes=0.0, host_disk_bw_bytes_s=0.0)
+    assert decide_pause(inputs).action is PauseAction.DROP
+    d = decide_pause(inputs, ENGINE_THRESHOLDS)
+    assert d.action is PauseAction.RETAIN and d.via is PauseAction.DROP
+    assert d.break_even_wait_s == pytest.approx(d.recompute_s)  # 2 x 70.6e9 x 32768 / 1.6e15
+    assert d.recompute_s == pytest.approx(2 * 70.6e9 * 32768 / (0.45 * 8 * 989e12))
+    assert d.reason.startswith("Retain until the memory is needed")
+    # A tier that is there is still taken at the pause: host (async, no stall later).
+    assert decide_pause(NAPKIN_0_6, ENGINE_THRESHOLDS).action is PauseAction.OFFLOAD_HOST

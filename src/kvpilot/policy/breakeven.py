@@ -26,7 +26,9 @@ Rule, in order:
     nothing.
  4. RT and mu_tier are those of the chosen way out (host: host_pressure; disk and drop: 0).
     If T <= RT, or T <= T*_wait: RETAIN (moving the state would not pay for itself).
- 5. Otherwise take the way out: OFFLOAD_HOST, OFFLOAD_DISK or DROP.
+ 5. Otherwise take the way out: OFFLOAD_HOST, OFFLOAD_DISK or DROP; with
+    thresholds.defer_drop, DROP becomes RETAIN (the engine's reclaim drops at once, when the
+    memory is needed, so dropping early only recomputes state nobody needed freed).
 """
 
 from __future__ import annotations
@@ -78,6 +80,10 @@ class PauseThresholds:
     device_plentiful_below: float = 0.5
     host_pressure_high: float = 0.75
     negligible_round_trip_fraction: float = 0.01
+    # Where memory pressure demotes idle state the moment memory is needed (the engine's
+    # reclaim), dropping loses nothing by waiting until then: a drop's way out is taken then,
+    # not at the pause, so state nobody ends up needing is never recomputed.
+    defer_drop: bool = False
 
 
 DEFAULT_THRESHOLDS = PauseThresholds()
@@ -87,7 +93,9 @@ DEFAULT_THRESHOLDS = PauseThresholds()
 # pressure reaches 1 (work waiting for memory, or held usage at tau_high). Measured on
 # bench_pause's simulated node: at 0.5 the rule moved state the device had room for, filled
 # the host, and recomputed 35% more than at 1.0.
-ENGINE_THRESHOLDS = PauseThresholds(device_plentiful_below=1.0)
+# A drop is deferred to that reclaim (`defer_drop`): measured there, dropping at the pause
+# recomputed state the device would have kept.
+ENGINE_THRESHOLDS = PauseThresholds(device_plentiful_below=1.0, defer_drop=True)
 
 # The longest wait a pause is planned for (30 days): the API refuses longer hints, and the
 # policy code clamps whatever reaches it, so no timer or figure can overflow.
@@ -286,6 +294,12 @@ def decide_pause(
             why = "there is no host room and no disk tier"
         else:
             why = f"recomputing ({s(recompute_cost)}) is faster than reloading ({s(tier_reload)})"
+        if thresholds.defer_drop:
+            return decision(
+                PauseAction.RETAIN,
+                f"Retain until the memory is needed: {why} and {past}, but dropping is "
+                f"instant, so {size} is dropped only if memory pressure demotes it.",
+            )
         return decision(
             PauseAction.DROP,
             f"Drop: {why}, and {past}, so {size} is freed now and recomputed on return.",
