@@ -232,9 +232,7 @@ def test_engine_thresholds_defer_a_drop_to_the_moment_memory_is_needed() -> None
     assert decide_pause(NAPKIN_0_6, ENGINE_THRESHOLDS).action is PauseAction.OFFLOAD_HOST
 
 
-def test_engine_thresholds_send_state_to_disk_only_for_waits_its_round_trip_is_negligible_next_to() -> (
-    None
-):
+def test_engine_thresholds_take_disk_only_for_waits_its_round_trip_is_negligible_in() -> None:
     # A 50 GB/s disk array: 10.7 GB reloads in 0.215 s, a 0.43 s round trip; no host room.
     fast_disk = with_(host_free_bytes=0.0, host_disk_bw_bytes_s=50 * GB)
     d = decide_pause(fast_disk, ENGINE_THRESHOLDS)  # 45 s: 0.43 s is 0.95% of it
