@@ -169,15 +169,11 @@ class OffloadManager:
     def pause_inputs(
         self, traj: Trajectory, nodes: list[RadixNode], wait: float, tool: str | None = None
     ) -> PauseInputs:
-        mover = self.mover
+        mover, bb, records = self.mover, self.block_bytes, self.records.values()
         tokens = sum(len(n.tokens) for n in nodes) + traj.num_computed_tokens - traj.locked_tokens
         blocks = sum(n.num_blocks for n in nodes) + traj.num_private_blocks
-        host = mover.host_pool
-        host_free, host_pressure = 0.0, 1.0
-        if host is not None and mover.has_host:
-            free = (host.num_free + self.radix.evictable_blocks(Tier.HOST)) * self.block_bytes
-            capacity = host.num_blocks * self.block_bytes
-            host_free, host_pressure = pricing.host_room(free, capacity, self.records.values())
+        host = mover.host_pool if mover.has_host else None
+        host_free, host_pressure = pricing.host_room_of(host, self.radix, bb, records)
         return PauseInputs(
             kv_bytes=float(blocks * self.block_bytes),
             num_tokens=max(tokens, 0),
@@ -197,9 +193,7 @@ class OffloadManager:
             host_pressure=host_pressure,
             host_free_bytes=float(host_free),
             device_used_bytes=pricing.working_bytes(
-                self.kv.device.num_used * self.block_bytes,
-                self.radix.evictable_blocks(Tier.DEVICE) * self.block_bytes,
-                self.records.values(),
+                self.kv.device.num_used * bb, self.radix.evictable_blocks(Tier.DEVICE) * bb, records
             ),
             tool=tool,
             tool_waits=tuple(self.waits.by_tool.get(tool, ())) if tool else (),

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from kvpilot.engine.tier_stats import PauseRecord, PauseState
+from kvpilot.memory import Tier
 from kvpilot.policy.breakeven import PauseAction, PauseDecision
 
 
@@ -65,6 +66,16 @@ def host_room(
     )
     free = max(0.0, free_or_evictable_bytes - awaited)
     return free, min(1.0, max(0.0, 1.0 - free / max(capacity_bytes, 1.0)))
+
+
+def host_room_of(
+    pool: Any, radix: Any, block_bytes: int, records: Iterable[PauseRecord]
+) -> tuple[float, float]:
+    """`host_room` of a host block pool (None: no host tier, no room, full pressure)."""
+    if pool is None:
+        return 0.0, 1.0
+    free = (pool.num_free + radix.evictable_blocks(Tier.HOST)) * block_bytes
+    return host_room(free, pool.num_blocks * block_bytes, records)
 
 
 def feasible(decision: PauseDecision, host_bw: float, disk_bw: float) -> PauseDecision:
