@@ -2,7 +2,9 @@
 
 Every policy replays the same sessions on a fresh engine whose device<->host link and disk
 are emulated (`kvpilot.emulate`) so that a reload is as many times faster than a recompute
-as on the target accelerator node: real copies, real waits, real recompute. The device pool
+as on the target accelerator node: real copies, real waits, real recompute. On a shared
+machine the local prefill rate drifts with the load, so the links track it: their bandwidth is
+the target's ratio times the prefill rate measured so far in the same run. The device pool
 holds a fraction of the working set and the host tier another, so some pauses must go to
 disk or be dropped. Policies in `TRUE_WAIT_POLICIES` are told each pause's true wait; every
 other one is told only the tool and predicts the wait from what it has seen.
@@ -36,6 +38,29 @@ class Pools:
     disk_blocks: int
 
 
+class PrefillTally:
+    """Prefill tokens over the seconds of the steps that computed them, as the engine's own
+    meter sees them (`OffloadManager.observe_step`), summed: the rate the rule prices a
+    recompute at, without the decode steps and idle time an end-to-end rate would count."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.tokens = 0
+        self.seconds = 0.0
+        offload = engine.offload
+        inner = offload.observe_step
+
+        def observe(prefill_tokens: int, seconds: float, context_tokens: int) -> None:
+            if prefill_tokens > 0 and seconds > 0:
+                self.tokens += prefill_tokens
+                self.seconds += seconds
+            inner(prefill_tokens, seconds, context_tokens)
+
+        offload.observe_step = observe  # type: ignore[method-assign]
+
+    def rate(self, default: float) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else default
+
+
 @dataclass(frozen=True, slots=True)
 class Calibration:
     """This machine's prefill rate and KV bytes per token, and the links they imply."""
@@ -51,16 +76,18 @@ def recompute(
     model: str, sessions: list[list[Turn]], kv_blocks: int
 ) -> tuple[dict[tuple[int, int], list[int]], float, float, float]:
     """Each turn's output from its tokens alone (an engine without tiers or pauses), the
-    prefill rate it ran at (tokens/s), KV bytes per token, and the CPU seconds it took."""
+    prefill rate its prefill steps ran at (tokens/s, `PrefillTally`), KV bytes per token, and
+    the CPU seconds it took."""
     engine = Engine.from_pretrained(model, kv_blocks=kv_blocks, **ENGINE_OPTIONS)
+    tally = PrefillTally(engine)
     outputs = {}
-    wall, cpu = time.perf_counter(), time.process_time()
+    cpu = time.process_time()
     for i, turns in enumerate(sessions):
         for t, turn in enumerate(turns):
             (out,) = engine.generate([turn.tokens], PARAMS, salt=f"session-{i}")
             outputs[(i, t)] = list(out.token_ids)
-    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-    rate = engine.stats.prefill_tokens / wall
+    cpu = time.process_time() - cpu
+    rate = tally.rate(1.0)
     runner: Any = engine.executor
     per_token = runner.kv_bytes_per_block / runner.block_size
     engine.close()
@@ -114,6 +141,24 @@ def emulated_engine(
     )
 
 
+def emulated_links(engine: Engine) -> tuple[LinkSchedule, LinkSchedule]:
+    mover = engine.offload.mover
+    return mover.transport.link, mover.disk.link  # type: ignore[union-attr]
+
+
+def track(links: tuple[LinkSchedule, LinkSchedule], cal: Calibration, rate: float) -> None:
+    """Keep reload : recompute at the target while the shared machine's speed drifts: the
+    links run at the target's ratios times this run's prefill rate so far (the calibration
+    pass's until the first prefill step)."""
+    per_token = cal.bytes_per_token * rate
+    links[0].bytes_per_s = (
+        cal.link_bytes_per_s / (cal.bytes_per_token * cal.prefill_tokens_per_s) * per_token
+    )
+    links[1].bytes_per_s = (
+        cal.disk_bytes_per_s / (cal.bytes_per_token * cal.prefill_tokens_per_s) * per_token
+    )
+
+
 def replay(
     model: str,
     policy: str,
@@ -126,6 +171,7 @@ def replay(
     told_truth = policy in TRUE_WAIT_POLICIES
     with tempfile.TemporaryDirectory(prefix=f"kvpilot-pause-{policy}-") as disk:
         engine = emulated_engine(model, policy, pools, disk, cal, ttl_s)
+        tally, links = PrefillTally(engine), emulated_links(engine)
         handles = [engine.open_session() for _ in sessions]
         nxt = [0] * len(sessions)
         due = [0.02 * i for i in range(len(sessions))]
@@ -155,6 +201,7 @@ def replay(
                     tool=None if last else turn.tool,
                 )
                 pending[rid] = i
+            track(links, cal, tally.rate(cal.prefill_tokens_per_s))
             if engine.has_unfinished() or engine.offload.busy():
                 engine.step()
             else:
@@ -181,7 +228,7 @@ def replay(
         wall, cpu = time.perf_counter() - start, time.process_time() - cpu0
         stats = engine.offload.stats
         mover = engine.offload.mover
-        prefill = engine.offload.prefill.overall.get(cal.prefill_tokens_per_s)
+        prefill = tally.rate(cal.prefill_tokens_per_s)
         link = mover.link_bw()
         result = {
             "turns_per_s": round(agent_rate(sessions, active), 3),

@@ -4,8 +4,10 @@ The simulator runs the real engine (scheduler, radix cache, offload manager, pau
 with a roofline cost model on virtual time (`kvpilot.sim`), so the waits are the recorded
 ones, in real seconds, with approvals on the bench's one time factor. Contexts are the
 trace's own (no cut). The device pool is --device-fraction of the working set and the host
-tier --host-fraction, so the working set fits in neither; the simulator has no disk tier, so
-what the host cannot take is dropped or left to the cache.
+tier --host-fraction, so the working set fits in neither; the disk tier (`kvpilot.sim.disk`,
+the node's NVMe) holds the rest. Each workload draw (--sim-seeds: which pauses get a person's
+approval, and how long) runs every policy; the figures compared are the medians over draws,
+since at margins of hundredths of a percent one draw's ranking turns on single decisions.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import statistics
 from collections.abc import Callable
 from typing import Any
 
@@ -20,6 +23,7 @@ from pause_workload import (
     Turn,
     agent_rate,
     common_prefix,
+    describe_waits,
     load_sessions,
     pct,
     working_set_tokens,
@@ -37,6 +41,14 @@ VOCAB = 32000
 OUTPUT_TOKENS = 4
 BLOCK = 16  # the engine's default block size
 MAX_CONTEXT_TOKENS = 131072
+DISK_FRACTION = 4  # the disk tier holds 4x the working set (as in the CPU run)
+FIGURES = (
+    "turns_per_s",
+    "recomputed_tokens",
+    "p50_resume_ttft_s",
+    "p99_resume_ttft_s",
+    "idle_gb_s",
+)
 
 
 class PauseReplayDriver:
@@ -123,52 +135,75 @@ def run_policy(setup: SimSetup, sessions: list[list[Turn]], policy: str) -> dict
     }
 
 
+def median_rows(runs: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Per policy, the median over workload draws of each figure (bytes per direction too)."""
+    out: dict[str, dict[str, Any]] = {}
+    for policy in runs[0]:
+        rows = [run[policy] for run in runs]
+        row: dict[str, Any] = {k: statistics.median(r[k] for r in rows) for k in FIGURES}
+        row["bytes_moved"] = {
+            d: statistics.median(r["bytes_moved"].get(d, 0) for r in rows)
+            for d in rows[0]["bytes_moved"]
+        }
+        row["decisions"] = rows[0]["decisions"] if len(rows) == 1 else {}
+        out[policy] = row
+    return out
+
+
 def sim_run(
     args: argparse.Namespace,
     policies: list[str],
     print_header: Callable[[], None],
     print_row: Callable[[str, dict[str, Any]], None],
 ) -> dict[str, Any]:
-    waits = WaitModel(args.time_factor, args.approval_probability, seed=args.seed)
-    n = 20
-    sessions = load_sessions(n, MAX_CONTEXT_TOKENS, waits, VOCAB)
-    work = working_set_tokens(sessions)
-    base = SimSetup(model=MODEL, node=NODE, tp=TP)
-    per_token = base.geometry().bytes_per_token(TP)
-    engine = EngineConfig.from_kwargs(
-        max_num_seqs=256, max_num_batched_tokens=2048, pause_ttl_s=args.ttl
-    )
-    setup = dataclasses.replace(
-        base,
-        kv_blocks=int(work * args.device_fraction) // BLOCK,
-        host_kv_bytes_per_device=work * args.host_fraction * per_token,
-        engine=engine,
-        duration_s=24 * 3600.0,
-    )
-    print(
-        f"\n== simulated node, {MODEL} on {NODE} (TP {TP}): {len(sessions)} sessions, "
-        f"{sum(map(len, sessions))} turns, working set {work:,} tokens; device pool "
-        f"{setup.kv_blocks * BLOCK:,} tokens, host {int(work * args.host_fraction):,}"
-        ", no disk tier =="
-    )
-    print_header()
-    rows = {}
-    for policy in policies:
-        r = run_policy(setup, sessions, policy)
-        rows[policy] = r
-        print_row(policy, r)
-    keys = (
-        "turns_per_s",
-        "recomputed_tokens",
-        "p50_resume_ttft_s",
-        "p99_resume_ttft_s",
-        "idle_gb_s",
-        "bytes_moved",
-    )
+    """Every policy on each workload draw (--sim-seeds: the approvals' draws), then the median
+    per policy: one draw's ranking at these margins turns on single decisions."""
+    runs, works = [], []
+    seeds = [int(x) for x in str(args.sim_seeds).split(",")]
+    for seed in seeds:
+        waits = WaitModel(args.time_factor, args.approval_probability, seed=seed)
+        sessions = load_sessions(20, MAX_CONTEXT_TOKENS, waits, VOCAB)
+        work = working_set_tokens(sessions)
+        base = SimSetup(model=MODEL, node=NODE, tp=TP)
+        per_token = base.geometry().bytes_per_token(TP)
+        engine = EngineConfig.from_kwargs(
+            max_num_seqs=256, max_num_batched_tokens=2048, pause_ttl_s=args.ttl
+        )
+        setup = dataclasses.replace(
+            base,
+            kv_blocks=int(work * args.device_fraction) // BLOCK,
+            host_kv_bytes_per_device=work * args.host_fraction * per_token,
+            disk_kv_bytes_per_device=work * DISK_FRACTION * per_token,
+            engine=engine,
+            duration_s=24 * 3600.0,
+        )
+        print(
+            f"\n== simulated node, draw {seed}: {MODEL} on {NODE} (TP {TP}), "
+            f"{len(sessions)} sessions, {sum(map(len, sessions))} turns, working set "
+            f"{work:,} tokens; device pool {setup.kv_blocks * BLOCK:,} tokens, host "
+            f"{int(work * args.host_fraction):,}, disk {work * DISK_FRACTION:,} (NVMe "
+            f"{setup.parsed_node().nvme_bw_bytes_s / 1e9:g} GB/s per node) =="
+        )
+        print(f"waits: {waits.describe()}; {describe_waits(sessions)}")
+        print_header()
+        rows = {}
+        for policy in policies:
+            rows[policy] = run_policy(setup, sessions, policy)
+            print_row(policy, rows[policy])
+        runs.append(rows)
+        works.append(work)
+    medians = median_rows(runs)
+    if len(runs) > 1:
+        print(f"\n== simulated node, median over draws {', '.join(map(str, seeds))} ==")
+        print_header()
+        for policy, row in medians.items():
+            print_row(policy, row)
+    keys = (*FIGURES, "bytes_moved")
     return {
-        "policies": {p: {k: r[k] for k in keys} for p, r in rows.items()},
+        "policies": {p: {k: r[k] for k in keys} for p, r in medians.items()},
         "model": MODEL,
         "node": NODE,
-        "working_set_tokens": work,
-        "by_policy": rows,
+        "seeds": seeds,
+        "working_set_tokens": works,
+        "by_seed": {str(s): rows for s, rows in zip(seeds, runs, strict=True)},
     }

@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvpilot.errors import ConfigError
-from kvpilot.policy.breakeven import PauseAction, PauseInputs, decide_pause
+from kvpilot.policy.breakeven import ENGINE_THRESHOLDS, PauseAction, PauseInputs, decide_pause
 from kvpilot.policy.pause import POLICY_NAMES, make_pause_policy
 
 GB = 1e9
@@ -215,3 +215,30 @@ def test_fixed_policies_say_their_decision_once_too(name: str) -> None:
     d = make_pause_policy(name).decide(NAPKIN_0_6)
     assert_one_sentence_led_by_the_decision(d.reason, d.action)
     assert "10.7 GB" in d.reason
+
+
+def test_engine_thresholds_defer_a_drop_to_the_moment_memory_is_needed() -> None:
+    # No host room, no disk: the way out is to drop, and 45 s is far past the 1.3 s
+    # recompute. Where reclaim demotes at once when memory is needed, nothing is gained by
+    # dropping now: the engine's thresholds retain, and say why.
+    inputs = with_(host_free_bytes=0.0, host_disk_bw_bytes_s=0.0)
+    assert decide_pause(inputs).action is PauseAction.DROP
+    d = decide_pause(inputs, ENGINE_THRESHOLDS)
+    assert d.action is PauseAction.RETAIN and d.via is PauseAction.DROP
+    assert d.break_even_wait_s == pytest.approx(d.recompute_s)  # 2 x 70.6e9 x 32768 / 1.6e15
+    assert d.recompute_s == pytest.approx(2 * 70.6e9 * 32768 / (0.45 * 8 * 989e12))
+    assert d.reason.startswith("Retain until the memory is needed")
+    # A tier that is there is still taken at the pause: host (async, no stall later).
+    assert decide_pause(NAPKIN_0_6, ENGINE_THRESHOLDS).action is PauseAction.OFFLOAD_HOST
+
+
+def test_engine_thresholds_take_disk_only_for_waits_its_round_trip_is_negligible_in() -> None:
+    # A 50 GB/s disk array: 10.7 GB reloads in 0.215 s, a 0.43 s round trip; no host room.
+    fast_disk = with_(host_free_bytes=0.0, host_disk_bw_bytes_s=50 * GB)
+    d = decide_pause(fast_disk, ENGINE_THRESHOLDS)  # 45 s: 0.43 s is 0.95% of it
+    assert d.disk_round_trip_s == pytest.approx(2 * 32768 * 327_680 / (50 * GB))
+    assert d.action is PauseAction.OFFLOAD_DISK
+    short = with_(host_free_bytes=0.0, host_disk_bw_bytes_s=50 * GB, expected_wait_s=20.0)
+    assert decide_pause(short).action is PauseAction.OFFLOAD_DISK  # 2.1%: the plain rule goes
+    d = decide_pause(short, ENGINE_THRESHOLDS)  # the engine's keeps it, to drop at need
+    assert d.action is PauseAction.RETAIN and d.via is PauseAction.DROP

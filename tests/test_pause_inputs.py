@@ -70,7 +70,29 @@ def test_reclaim_takes_an_overdue_wait_as_a_long_one(tmp_path: Path) -> None:
     slow.pause(expected_wait_s=10.0)
     engine.clock.advance(8.0)  # quick is 7 s overdue: expect 8 s more, past slow's return
     assert engine.offload.reclaim([quick, slow]) == 1
-    assert quick.last_pause is not None and quick.last_pause.state == "cached"
+    record = quick.last_pause
+    assert record is not None and record.state == "offloaded"  # demoted to host, awaited
+    assert record.action is PauseAction.OFFLOAD_HOST
+    assert record.expected_return == pytest.approx(16.0)  # 8 s overdue: as long again
+    assert record.prefetch_at is not None and 15.9 < record.prefetch_at < 16.0
     assert slow.last_pause is not None and slow.last_pause.state == "retained"
     assert slow.last_pause.action is PauseAction.RETAIN
+    engine.close()
+
+
+def test_state_demoted_to_host_is_held_there_not_room(tmp_path: Path) -> None:
+    engine = tiered("tiny", tmp_path, "retain")
+    host = engine.kv.pools[Tier.HOST]
+    capacity = host.num_blocks * engine.offload.block_bytes
+    a, b = engine.open_session(), engine.open_session()
+    a.generate(FIRST, PARAMS)
+    a.pause(expected_wait_s=50.0)
+    assert engine.offload.reclaim([a]) == 1
+    assert a.last_pause is not None and a.last_pause.state == "offloaded"
+    held = a.last_pause.inputs.kv_bytes
+    b.generate(SECOND, PARAMS)
+    b.pause(expected_wait_s=30.0)
+    assert b.last_pause is not None
+    assert b.last_pause.inputs.host_free_bytes == pytest.approx(capacity - held)
+    assert b.last_pause.inputs.host_pressure == pytest.approx(held / capacity)
     engine.close()

@@ -45,9 +45,17 @@ def test_copies_queue_per_direction_but_not_across_directions() -> None:
     assert link.bytes_out == 6000 and link.bytes_in == 3000
 
 
-def test_there_is_no_disk_tier() -> None:
-    link = transport(VirtualClock())
-    with pytest.raises(ConfigError, match="no disk tier"):
-        link.read_device([0])
+def test_disk_moves_cross_the_same_link_with_a_stand_in_per_block() -> None:
+    clock = VirtualClock()
+    link = transport(clock)
+    out = link.read_device([0, 1])
+    assert out.finish_s == pytest.approx(0.002)
+    assert out.result() == [b"", b""]
+    back = link.write_device([0], [b""])
+    assert back.finish_s == pytest.approx(0.003)  # the in queue was free: starts at 0.002
+    assert link.bytes_out == 2000 and link.bytes_in == 1000
+
+
+def test_a_link_needs_a_positive_bandwidth() -> None:
     with pytest.raises(ConfigError, match="positive link"):
         SimulatedTransport(VirtualClock(), num_host_blocks=1, block_bytes=1, link_bytes_per_s=0)

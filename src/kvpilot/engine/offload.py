@@ -16,9 +16,9 @@ from collections.abc import Callable, Collection
 from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING, Any, Protocol
 
+from kvpilot.engine import pause_pricing as pricing
 from kvpilot.engine.config import PauseConfig
 from kvpilot.engine.executor import TierTransport
-from kvpilot.engine.pause_pricing import feasible, host_room, next_use, pressure_on
 from kvpilot.engine.pause_timers import PauseTimers
 from kvpilot.engine.tier_mover import TierMover
 from kvpilot.engine.tier_stats import PauseRecord, PauseState, TierStats
@@ -142,7 +142,9 @@ class OffloadManager:
         wait = clamp_wait_s(wait)  # timers and figures stay finite whatever the caller said
         nodes = self.exclusive_device_nodes(traj)
         inputs = self.pause_inputs(traj, nodes, wait, tool)
-        decision = feasible(self.policy.decide(inputs), self.mover.link_bw(), self.mover.disk_bw())
+        decision = pricing.feasible(
+            self.policy.decide(inputs), self.mover.link_bw(), self.mover.disk_bw()
+        )
         now = self.now()
         lease = self.policy.lease_s(inputs) if decision.action is PauseAction.RETAIN else 0.0
         record = PauseRecord(
@@ -167,15 +169,11 @@ class OffloadManager:
     def pause_inputs(
         self, traj: Trajectory, nodes: list[RadixNode], wait: float, tool: str | None = None
     ) -> PauseInputs:
-        mover = self.mover
+        mover, bb, records = self.mover, self.block_bytes, self.records.values()
         tokens = sum(len(n.tokens) for n in nodes) + traj.num_computed_tokens - traj.locked_tokens
         blocks = sum(n.num_blocks for n in nodes) + traj.num_private_blocks
-        host = mover.host_pool
-        host_free, host_pressure = 0.0, 1.0
-        if host is not None and mover.has_host:
-            free = (host.num_free + self.radix.evictable_blocks(Tier.HOST)) * self.block_bytes
-            capacity = host.num_blocks * self.block_bytes
-            host_free, host_pressure = host_room(free, capacity, self.records.values())
+        host = mover.host_pool if mover.has_host else None
+        host_free, host_pressure = pricing.host_room_of(host, self.radix, bb, records)
         return PauseInputs(
             kv_bytes=float(blocks * self.block_bytes),
             num_tokens=max(tokens, 0),
@@ -185,7 +183,7 @@ class OffloadManager:
             prefill_tokens_per_s=self.prefill.tokens_per_s(
                 len(traj.tokens), DEFAULT_PREFILL_TOKENS_PER_S
             ),
-            device_pressure=pressure_on(
+            device_pressure=pricing.pressure_on(
                 self.pressure(),
                 self.records.values(),
                 self.now(),
@@ -194,7 +192,9 @@ class OffloadManager:
             ),
             host_pressure=host_pressure,
             host_free_bytes=float(host_free),
-            device_used_bytes=float(self.kv.device.num_used * self.block_bytes),
+            device_used_bytes=pricing.working_bytes(
+                self.kv.device.num_used * bb, self.radix.evictable_blocks(Tier.DEVICE) * bb, records
+            ),
             tool=tool,
             tool_waits=tuple(self.waits.by_tool.get(tool, ())) if tool else (),
         )
@@ -222,9 +222,14 @@ class OffloadManager:
             self.mover.write_disk(nodes)
             self.mover.hint_disk(traj)
             reload_s = record.decision.disk_reload_s
+        self._offloaded(session, record, reload_s)
+
+    def _offloaded(self, session: PausableSession, record: PauseRecord, reload_s: float) -> None:
+        """Off the device and awaited: prefetched back ahead of its return (if that is ahead)."""
         record.state = PauseState.OFFLOADED
-        if self.prefetch_enabled and math.isfinite(reload_s):
-            record.prefetch_at = record.expected_return - 2 * reload_s - 0.005
+        at = record.expected_return - 2 * reload_s - 0.005
+        if self.prefetch_enabled and math.isfinite(reload_s) and at > self.now():
+            record.prefetch_at = at
             prefetch = lambda: self._prefetch(session)  # noqa: E731
             self.timers.at(record.prefetch_at, session.session_id, prefetch)
 
@@ -336,32 +341,26 @@ class OffloadManager:
         self.timers.fire_due(now)
 
     def reclaim(self, idle: Seq[PausableSession]) -> int:
-        """Memory pressure: demote the idle trajectory worth least per byte it holds.
-
-        Value is nearness of return: the one expected back last goes first (never-paused
-        idle sessions count from when they were last used). Its blocks go to host when
-        there is a host tier (waiting for the copy: the blocks are wanted now), else back
-        to the prefix cache, where eviction takes them.
-        """
+        """Memory pressure: demote the idle trajectory back last (`pricing.pick_demotion`) to
+        host (the copy waited for), awaited there like an offload; or, with no host tier, to
+        the prefix cache, where eviction takes it."""
         holders = [s for s in idle if s.traj.block_table and self.held_bytes(s.traj)]
         if not holders:
             return 0
         now = self.now()
-
-        def back_at(s: PausableSession) -> float:
-            record = self.records.get(s.session_id)
-            if record is None:
-                return now + (now - s.last_used)
-            return next_use(record, now)
-
-        victim = max(holders, key=back_at)
+        victim = pricing.pick_demotion(holders, self.records, now)
         nodes = self.exclusive_device_nodes(victim.traj)
         victim.traj.release_kv(keep_in_cache=True)
         record = self.records.get(victim.session_id)
         if record is not None:
+            self.timers.cancel(victim.session_id)
             record.state = PauseState.CACHED
         if self.mover.has_host and nodes and self.mover.swap_out(nodes) is not None:
             self.mover.wait_moves()
+            if record is not None:
+                record.decision = pricing.demoted_to_host(record.decision)
+                record.expected_return = pricing.next_use(record, now)
+                self._offloaded(victim, record, record.decision.reload_s)
         self.stats.decisions["demoted"] += 1
         return 1
 

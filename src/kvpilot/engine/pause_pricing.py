@@ -1,13 +1,16 @@
 """What the pause rule is told in the engine: the pressure a state faces, when an idle
-session is next used, how much host room is really free, and the fallback when a fixed
-policy asks for a tier the engine lacks. Pure functions over `PauseRecord`s."""
+session is next used, how much host room is really free, which idle state memory pressure
+demotes, and the fallback when a fixed policy asks for a tier the engine lacks. Pure
+functions over `PauseRecord`s."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Protocol, TypeVar
 
 from kvpilot.engine.tier_stats import PauseRecord, PauseState
+from kvpilot.memory import Tier
 from kvpilot.policy.breakeven import PauseAction, PauseDecision
 
 
@@ -39,6 +42,17 @@ def pressure_on(
     return pressure * (sooner + kv_bytes) / (sooner + later + kv_bytes)
 
 
+def working_bytes(used: float, evictable: float, records: Iterable[PauseRecord]) -> float:
+    """Device bytes of the work a recompute would stall: what is in use, less the prefix
+    cache (evictable) and less the state idle sessions hold (they compute nothing)."""
+    idle = sum(
+        r.inputs.kv_bytes
+        for r in records
+        if r.state in (PauseState.RETAINED, PauseState.PREFETCHED)
+    )
+    return max(0.0, used - evictable - idle)
+
+
 def host_room(
     free_or_evictable_bytes: float, capacity_bytes: float, records: Iterable[PauseRecord]
 ) -> tuple[float, float]:
@@ -52,6 +66,16 @@ def host_room(
     )
     free = max(0.0, free_or_evictable_bytes - awaited)
     return free, min(1.0, max(0.0, 1.0 - free / max(capacity_bytes, 1.0)))
+
+
+def host_room_of(
+    pool: Any, radix: Any, block_bytes: int, records: Iterable[PauseRecord]
+) -> tuple[float, float]:
+    """`host_room` of a host block pool (None: no host tier, no room, full pressure)."""
+    if pool is None:
+        return 0.0, 1.0
+    free = (pool.num_free + radix.evictable_blocks(Tier.HOST)) * block_bytes
+    return host_room(free, pool.num_blocks * block_bytes, records)
 
 
 def feasible(decision: PauseDecision, host_bw: float, disk_bw: float) -> PauseDecision:
@@ -68,3 +92,39 @@ def feasible(decision: PauseDecision, host_bw: float, disk_bw: float) -> PauseDe
         "now and recomputed on return."
     )
     return dataclasses.replace(decision, action=PauseAction.DROP, reason=reason)
+
+
+class Idle(Protocol):
+    session_id: str
+    last_used: float
+
+
+S = TypeVar("S", bound=Idle)
+
+
+def pick_demotion(sessions: Sequence[S], records: Mapping[str, PauseRecord], now: float) -> S:
+    """The idle session memory pressure demotes: the one expected back last (a session never
+    paused counts from when it was last used, as long again).
+
+    This is the rule's own order for the way out memory pressure takes: per byte freed, a
+    host copy costs the same round trip whoever it is, so the memory-time saved beyond the
+    break-even wait is largest for the state back last. (Measured on bench_pause's simulated
+    node, pricing each candidate's way out by host room instead, dropping those with no room
+    there, recomputed more: see docs/architecture.md.)
+    """
+
+    def back_at(s: S) -> float:
+        record = records.get(s.session_id)
+        return now + (now - s.last_used) if record is None else next_use(record, now)
+
+    return max(sessions, key=back_at)
+
+
+def demoted_to_host(decision: PauseDecision) -> PauseDecision:
+    """A retained state memory pressure moved to host: awaited there like an offload (so host
+    room counts it as held, and it is prefetched back)."""
+    reason = (
+        f"Offload to host (demoted under memory pressure after: {decision.reason[:1].lower()}"
+        f"{decision.reason[1:]})"
+    )
+    return dataclasses.replace(decision, action=PauseAction.OFFLOAD_HOST, reason=reason)

@@ -29,6 +29,7 @@ from kvpilot.engine.config import DEFAULT_BLOCK_SIZE, EngineConfig
 from kvpilot.engine.engine import Engine
 from kvpilot.errors import ConfigError
 from kvpilot.sim.cost_model import RooflineCostModel, StepCostModel
+from kvpilot.sim.disk import SimulatedDiskStore
 from kvpilot.sim.drivers import AgentDriver, ReplayDriver
 from kvpilot.sim.policies import apply_policy, resolve_policy
 from kvpilot.sim.profile import CalibratedCostModel, StepProfile
@@ -71,6 +72,7 @@ class SimSetup:
     step_overhead_s: float = 1e-3
     profile: Path | None = None
     host_kv_bytes_per_device: float | None = None
+    disk_kv_bytes_per_device: float = 0.0  # 0: no disk tier (`kvpilot.sim.disk`)
     engine: EngineConfig = dataclasses.field(
         default_factory=lambda: EngineConfig.from_kwargs(
             max_num_seqs=256, max_num_batched_tokens=2048
@@ -89,6 +91,8 @@ class SimSetup:
             raise ConfigError("--max-model-len must be at least 2")
         if self.host_kv_bytes_per_device is not None and self.host_kv_bytes_per_device < 0:
             raise ConfigError("--host-memory must not be negative")
+        if self.disk_kv_bytes_per_device < 0:
+            raise ConfigError("the simulated disk tier's size must not be negative")
         runner = self.engine.runner
         refused = {
             "kv_blocks": "give SimSetup.kv_blocks (--kv-blocks)",
@@ -102,7 +106,10 @@ class SimSetup:
                 raise ConfigError(f"the simulator cannot honour runner {name}: {instead}")
         tiers = runner.tiers
         if tiers.disk_dir is not None:
-            raise ConfigError("the simulator has no disk tier: leave disk_dir unset")
+            raise ConfigError(
+                "the simulator keeps no files: size its disk tier with "
+                "SimSetup.disk_kv_bytes_per_device, and leave disk_dir unset"
+            )
         if tiers.has_host:
             raise ConfigError(
                 "the simulator sizes its host tier per device: give "
@@ -190,6 +197,22 @@ def make_transport(setup: SimSetup, clock: VirtualClock) -> SimulatedTransport |
     )
 
 
+def make_disk(setup: SimSetup, clock: VirtualClock) -> SimulatedDiskStore | None:
+    """The node's NVMe as a disk tier, each device's share of it, or None (size 0)."""
+    block_bytes = setup.block_size() * setup.geometry().bytes_per_token(setup.tp_degree())
+    slots = int(setup.disk_kv_bytes_per_device // block_bytes)
+    if slots < 1:
+        return None
+    share = setup.parsed_node().nvme_bw_bytes_s / setup.tp_degree()
+    return SimulatedDiskStore(
+        clock,
+        num_slots=slots,
+        block_bytes=block_bytes,
+        read_bytes_per_s=share,
+        write_bytes_per_s=share,
+    )
+
+
 def make_cost_model(setup: SimSetup) -> StepCostModel:
     block = setup.block_size()
     if setup.profile is not None:
@@ -228,6 +251,7 @@ def build_engine(
             setup.reserve_bytes_per_device,
         )
     clock = VirtualClock()
+    transport = make_transport(setup, clock)
     runner = SimulatedRunner(
         cost, clock, num_blocks=blocks, block_size=setup.block_size(), vocab_size=vocab_size
     )
@@ -238,7 +262,8 @@ def build_engine(
         vocab_size=vocab_size,
         max_model_len=setup.model_len(),
         clock=clock,
-        transport=make_transport(setup, clock),
+        transport=transport,
+        disk=make_disk(setup, clock) if transport is not None else None,  # type: ignore[arg-type]
     )
     return engine, note
 

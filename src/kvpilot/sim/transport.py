@@ -7,8 +7,8 @@ on an unfinished copy (``result``) advances the clock to its finish, which is th
 real engine would see. ``block_bytes`` and the link are per device of the TP group: every
 device moves its share of each block over its own host link at the same time.
 
-The simulator has no disk tier (it would write real files); the engine only asks for disk
-copies when ``disk_dir`` is configured, which the simulator never does.
+Disk moves cross the same link (``read_device`` before a disk write, ``write_device`` after
+a disk read, as through host staging memory); the disk itself is `kvpilot.sim.disk`.
 """
 
 from __future__ import annotations
@@ -23,23 +23,26 @@ from kvpilot.errors import ConfigError
 class SimulatedTransfer:
     """A copy on the virtual clock (satisfies `kvpilot.engine.executor.Transfer`)."""
 
-    __slots__ = ("clock", "finish_s", "seconds")
+    __slots__ = ("clock", "finish_s", "seconds", "value")
 
-    def __init__(self, clock: VirtualClock, finish_s: float, seconds: float) -> None:
+    def __init__(
+        self, clock: VirtualClock, finish_s: float, seconds: float, value: Any = None
+    ) -> None:
         self.clock = clock
         self.finish_s = finish_s
         self.seconds = seconds
+        self.value = seconds if value is None else value  # what ``result`` answers
 
     def done(self) -> bool:
         return self.clock.now() >= self.finish_s
 
     def result(self, timeout: float | None = None) -> Any:
         self.clock.advance_to(self.finish_s)
-        return self.seconds
+        return self.value
 
 
 class SimulatedTransport:
-    """Implements `kvpilot.engine.executor.TierTransport` for the host tier only."""
+    """Implements `kvpilot.engine.executor.TierTransport` on the virtual clock."""
 
     def __init__(
         self,
@@ -81,10 +84,13 @@ class SimulatedTransport:
         return self._copy("in", len(pairs))
 
     def read_device(self, blocks: Sequence[int]) -> SimulatedTransfer:
-        raise ConfigError("the simulator has no disk tier: leave disk_dir unset")
+        """Device blocks out to staging memory, for a disk write (a stand-in per block)."""
+        copy = self._copy("out", len(blocks))
+        return SimulatedTransfer(self.clock, copy.finish_s, copy.seconds, [b""] * len(blocks))
 
     def write_device(self, blocks: Sequence[int], data: Sequence[bytes]) -> SimulatedTransfer:
-        raise ConfigError("the simulator has no disk tier: leave disk_dir unset")
+        """Blocks read from disk, in to the device."""
+        return self._copy("in", len(blocks))
 
     def poison_host(self, blocks: Sequence[int]) -> None:
         """Nothing to poison: simulated blocks hold no KV."""
