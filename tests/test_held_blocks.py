@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from kvpilot.engine.config import EngineConfig
 from kvpilot.engine.engine import Engine
-from kvpilot.engine.offload import held_blocks
+from kvpilot.engine.pause_pricing import held_blocks
 from kvpilot.memory import Tier, Trajectory
 from kvpilot.sim.build import SimSetup, build_engine
 from kvpilot.sim.drivers import AgentDriver

@@ -50,20 +50,6 @@ DEFAULT_PREFILL_TOKENS_PER_S = 2_000.0
 IDLE_SAMPLE_S = 1.0  # how often idle memory-time is re-measured (clock seconds)
 
 
-def held_blocks(traj: Trajectory) -> int:
-    """Device blocks only ``traj`` holds: its private tail and the device copies of the
-    deepest part of its path no one else locks (`Residency.exclusive_nodes`), walked inline:
-    the step loop samples this for every idle session."""
-    node = traj.locked_node
-    blocks = traj.num_private_blocks
-    while node.depth_tokens and node.lock_count == 1:  # depth 0: the root
-        device = node.blocks.get(Tier.DEVICE)
-        if device is not None:
-            blocks += len(device)
-        node = node.parent  # type: ignore[assignment]  # only the root has none
-    return blocks
-
-
 class OffloadManager:
     def __init__(
         self,
@@ -118,7 +104,7 @@ class OffloadManager:
         return [n for n in nodes if Tier.DEVICE in n.blocks]
 
     def held_bytes(self, traj: Trajectory) -> int:
-        return held_blocks(traj) * self.block_bytes
+        return pricing.held_blocks(traj) * self.block_bytes
 
     # -- pausing --------------------------------------------------------------------------
 
@@ -328,7 +314,7 @@ class OffloadManager:
             when, held = self._held_sample
             if now - when >= IDLE_SAMPLE_S:
                 self.stats.idle_gb_s += held * (now - when) / 1e9
-                held = sum([held_blocks(s.traj) for s in idle()]) * self.block_bytes
+                held = sum([pricing.held_blocks(s.traj) for s in idle()]) * self.block_bytes
                 self._held_sample = (now, held)
         for job in self.mover.poll():
             if job.traj.closed:

@@ -1,7 +1,7 @@
 """What the pause rule is told in the engine: the pressure a state faces, when an idle
 session is next used, how much host room is really free, which idle state memory pressure
-demotes, and the fallback when a fixed policy asks for a tier the engine lacks. Pure
-functions over `PauseRecord`s."""
+demotes, the device blocks an idle session holds, and the fallback when a fixed policy asks
+for a tier the engine lacks. Pure functions over `PauseRecord`s and trajectories."""
 
 from __future__ import annotations
 
@@ -10,8 +10,22 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Protocol, TypeVar
 
 from kvpilot.engine.tier_stats import PauseRecord, PauseState
-from kvpilot.memory import Tier
+from kvpilot.memory import Tier, Trajectory
 from kvpilot.policy.breakeven import PauseAction, PauseDecision
+
+
+def held_blocks(traj: Trajectory) -> int:
+    """Device blocks only ``traj`` holds: its private tail and the device copies of the
+    deepest part of its path no one else locks (`Residency.exclusive_nodes`), walked inline:
+    the step loop samples this for every idle session."""
+    node = traj.locked_node
+    blocks = traj.num_private_blocks
+    while node.depth_tokens and node.lock_count == 1:  # depth 0: the root
+        device = node.blocks.get(Tier.DEVICE)
+        if device is not None:
+            blocks += len(device)
+        node = node.parent  # type: ignore[assignment]  # only the root has none
+    return blocks
 
 
 def next_use(record: PauseRecord, now: float) -> float:
