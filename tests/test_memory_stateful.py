@@ -415,3 +415,18 @@ MemoryMachine.TestCase.settings = settings(
 test_memory_core_under_random_agent_workloads = MemoryMachine.TestCase
 TierMachine.TestCase.settings = MemoryMachine.TestCase.settings
 test_tier_moves_under_agents_that_pause_and_return = TierMachine.TestCase
+
+
+def test_a_failed_deeper_disk_write_keeps_the_device_copies_above_it() -> None:
+    """Found by the machines: a pause to disk whose leaf write failed dropped the device copy
+    of the node above it (written), and with it the leaf's unwritten one."""
+    m = MemoryMachine()
+    m.open(salt=None, prompt=[9, 9, 9, 9, 7, 7], extra=[0] * 6)
+    m.turn(i=0, new=[0], decode=3)
+    m.commit(i=0)
+    m.turn(i=0, new=[], decode=0)
+    m.pause_to_disk(i=0)
+    m.commit(i=0)
+    m.finish_copy(k=0, fail=False, lost={3})  # the leaf's block
+    m.structures_are_consistent()
+    m.teardown()

@@ -139,11 +139,15 @@ class TierResidency:
     def drop_moved_path(self, bottom: RadixNode, moved: set[int]) -> None:
         """After device blocks ``moved`` were copied out (to disk): walking up from ``bottom``
         while a node's device blocks all moved, drop its device copy if no one locks it. The
-        walk ends at a node that held no other copy (dropping removed it from the tree)."""
+        walk ends at a node that held no other copy (dropping removed it from the tree), and
+        below a node a child of which keeps its device copy (a failed write deeper down): the
+        device copies of a path stay a prefix of it."""
         node: RadixNode | None = bottom
         while node is not None and node.alive and not node.is_root:
             dev = node.blocks.get(Tier.DEVICE)
             if not dev or any(b not in moved for b in dev):
+                break
+            if any(Tier.DEVICE in child.blocks for child in node.children.values()):
                 break
             if node.lock_count == 0:
                 self.radix.drop_copy(node, Tier.DEVICE)
