@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvpilot.errors import OutOfBlocks
-from kvpilot.memory import KVConfig, KVManager, RadixNode, Tier, Trajectory
+from kvpilot.memory import ForkResult, KVConfig, KVManager, RadixNode, Tier, Trajectory
 
 B = 4
 MAX_TOKENS = 48
@@ -353,6 +353,10 @@ class MemoryMachine(TierMachine):
         except OutOfBlocks:
             assert set(self.mgr.trajectories) == before
             return
+        self.forked(result)
+
+    def forked(self, result: ForkResult) -> None:
+        """Mirror a fork's copy of the partial last block (subclasses add their groups')."""
         if result.copy is not None:
             src, dst = result.copy
             self.device_kv[dst] = dict(self.device_kv[src])

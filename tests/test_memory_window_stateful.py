@@ -16,8 +16,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import invariant, precondition, rule
 from test_memory_stateful import B, MemoryMachine, kv, path_tokens, small_tokens
 
-from kvpilot.errors import OutOfBlocks
-from kvpilot.memory import KVConfig, KVManager, Tier, Trajectory
+from kvpilot.memory import ForkResult, KVConfig, KVManager, Tier, Trajectory
 from kvpilot.memory.window import NULL_BLOCK
 
 
@@ -61,19 +60,9 @@ class WindowMachine(MemoryMachine):
             self.window_kv[block][pos % B] = kv(traj.tokens, pos)
         super().compute(traj, n)
 
-    @precondition(lambda self: self.mgr.trajectories)
-    @rule(i=st.integers(0, 50))
-    def fork(self, i: int) -> None:
-        parent = self.pick(i)
-        before = set(self.mgr.trajectories)
-        try:
-            result = parent.fork()
-        except OutOfBlocks:
-            assert set(self.mgr.trajectories) == before
-            return
+    def forked(self, result: ForkResult) -> None:
+        super().forked(result)
         if result.copy is not None:
-            src, dst = result.copy
-            self.device_kv[dst] = dict(self.device_kv[src])
             assert result.window_copy is not None
             wsrc, wdst = result.window_copy
             self.window_kv[wdst] = dict(self.window_kv[wsrc])
