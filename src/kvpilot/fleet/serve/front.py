@@ -145,10 +145,11 @@ class FleetFront:
                 self.adopt_key_space(
                     KeySpace(hello.block_size, bytes.fromhex(hello.model_fingerprint))
                 )
-            if name not in directory.replicas:
-                directory.add_replica(name)
-            epoch, seq = directory.sync_state(name)
+            known = name in directory.replicas
+            epoch, seq = directory.sync_state(name) if known else (None, 0)
             poll = await asyncio.wait_for(link.poll(seq, epoch), self.config.call_timeout_s)
+            if not known:  # only once it answers: a dead replica never reappears in between
+                directory.add_replica(name)
             if poll.batch is None or poll.epoch != epoch or not directory.apply(name, poll.batch):
                 snapshot = await asyncio.wait_for(link.snapshot(), self.config.call_timeout_s)
                 directory.load_snapshot(name, snapshot)
