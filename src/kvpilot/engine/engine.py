@@ -40,6 +40,11 @@ from kvpilot.errors import InvalidRequest
 from kvpilot.memory import KVConfig, KVManager, Tier
 from kvpilot.policy.breakeven import PauseDecision
 
+# With nothing to run but copies in flight: the step's idle pause, and the most real time a
+# virtual clock gives copies that run on threads before it moves on.
+IDLE_STEP_S = 0.0005
+REAL_COPY_WAIT_S = 0.05
+
 if TYPE_CHECKING:
     from kvpilot.store import DiskBlockStore, SessionStore
 
@@ -220,7 +225,7 @@ class Engine:
             self._finish_request_if_done(seq.request)
         if not sched.scheduled:
             if self.offload.busy() or self.scheduler.held_back:
-                self.clock.sleep(0.0005)  # only waiting on copies or hot state: let them run
+                self._let_copies_run()
             return [self._snapshot(s.request) for s in sched.starved]
         start = self.clock.now()
         result = self.executor.execute(sched.works)
@@ -230,6 +235,19 @@ class Engine:
             context = max(w.start_pos + len(w.token_ids) for w in sched.works)
             self.offload.observe_step(sched.num_prefill_tokens, now - start, context)
         return self._process(sched, result.tokens, now, snapshots)
+
+    def _let_copies_run(self) -> None:
+        """Nothing to run but copies in flight or held-back hot state: give them a moment.
+
+        On any clock but the wall clock, copies that run on threads (real disk and host
+        copies) are first given real time to finish, so that a virtual clock cannot race
+        past the pause's timers while real work is still in flight."""
+        if isinstance(self.clock, WallClock):
+            if not self.offload.wait_for_copies(IDLE_STEP_S):
+                self.clock.sleep(IDLE_STEP_S)
+        else:
+            self.offload.wait_for_copies(REAL_COPY_WAIT_S)
+            self.clock.sleep(IDLE_STEP_S)
 
     def _process(
         self, sched: SchedulerOutput, sampled: dict[int, list[int]], now: float, snapshots: bool

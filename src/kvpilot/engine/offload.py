@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Collection
 from collections.abc import Sequence as Seq
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kvpilot.engine import pause_pricing as pricing
@@ -306,6 +307,14 @@ class OffloadManager:
 
     def busy(self) -> bool:
         return self.mover.busy()
+
+    def wait_for_copies(self, timeout_s: float) -> bool:
+        """Block up to ``timeout_s`` of real time until a copy run by a thread finishes
+        (virtual-time copies are the clock's business); False when there was none."""
+        threads = [t for t in self.mover.in_flight() if isinstance(t, Future)]
+        if threads:
+            wait(threads, timeout=timeout_s, return_when=FIRST_COMPLETED)
+        return bool(threads)
 
     def poll(self, idle: Callable[[], Seq[PausableSession]]) -> None:
         """Finish transfers that are done, fire due timers, account idle memory-time."""

@@ -181,6 +181,16 @@ class TierLoader:
 
     # -- progress -------------------------------------------------------------------------
 
+    def in_flight(self) -> list[Transfer]:
+        """The transfers the loads are waiting on."""
+        out: list[Transfer] = []
+        for job in self.loads.values():
+            if not job.done_host and job.host_transfer is not None:
+                out.append(job.host_transfer)
+            elif not job.done_disk and job.disk_transfer is not None:
+                out.append(job.disk_transfer)
+        return out
+
     def poll(self) -> list[Load]:
         """Advance every load whose transfer is done; returns the loads that completed."""
         finished = []

@@ -260,6 +260,11 @@ class TierMover:
 
     # -- the step loop ------------------------------------------------------------------------
 
+    def in_flight(self) -> list[Transfer]:
+        """The transfers the moves and loads are waiting on."""
+        loads = self.loader.in_flight() if self.loader is not None else []
+        return [move.transfer for move in self.moves] + loads
+
     def poll(self) -> list[Load]:
         """Advance every transfer that is done; returns the loads that completed."""
         still: list[Move] = []
