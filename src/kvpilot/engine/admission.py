@@ -1,4 +1,5 @@
-"""The scheduler's hooks into the rest of the engine, and admission that keeps hot idle state.
+"""The scheduler's hooks into the rest of the engine: admission that keeps hot idle state,
+and admission that keeps a hybrid model's window pool from running out.
 
 When the pause rule retained a paused session's state (it is back soon), a new request
 whose admission needs that state's device blocks would make it give way
@@ -9,6 +10,14 @@ state it would evict is expected back sooner than recomputing the evicted part w
 for at most ``SchedulerConfig.max_defer_s`` per request, so that nothing waits for ever.
 With two agent sessions whose contexts do not fit together, this runs several calls of one
 back to back instead of evicting each one's tail at every switch.
+
+A hybrid model's window pool (`kvpilot.memory.window`) can run out while the main pool looks
+idle, and what a sequence needs of it is bounded: at most ``ceil(W/B) + 2`` blocks (its
+window and the block it grows into), or all its blocks if it is shorter. `WindowAdmission`
+admits a sequence only while the pool holds every running sequence's bound, the
+newcomer's, and one prefill chunk ahead of a window; otherwise it waits (rather than being
+admitted, then preempted as the windows fill, and recomputed). With nothing running, the
+scheduler admits regardless, so that nothing waits for ever.
 """
 
 from __future__ import annotations
@@ -18,12 +27,14 @@ from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING
 
+from kvpilot.engine.config import SchedulerConfig
 from kvpilot.engine.offload import DEFAULT_PREFILL_TOKENS_PER_S, OffloadManager, PausableSession
 from kvpilot.engine.pause_pricing import next_use
 from kvpilot.engine.preemption import SwapPreemption
 from kvpilot.engine.scheduler import AdmissionHooks
 from kvpilot.engine.tier_stats import PauseState
 from kvpilot.memory import KVManager, Tier
+from kvpilot.memory.window import WindowPool
 
 if TYPE_CHECKING:
     from kvpilot.engine.request import Sequence
@@ -115,16 +126,51 @@ class HotStateGuard:
         return False
 
 
+class WindowAdmission:
+    """Admission against a window pool's bound (see the module docstring)."""
+
+    def __init__(self, pool: WindowPool, config: SchedulerConfig) -> None:
+        self.pool = pool
+        bs = pool.block_size
+        self.per_seq = -(-pool.window // bs) + 2
+        chunk = config.max_num_batched_tokens
+        if config.chunked_prefill:
+            chunk = min(chunk, config.max_prefill_chunk)
+        self.chunk_blocks = -(-chunk // bs) + 1  # a prefill chunk ahead of its window
+
+    def bound(self, seq: Sequence) -> int:
+        """Window blocks ``seq`` may hold at once before it finishes."""
+        params = seq.request.params
+        final = len(seq.traj.tokens) + max(0, params.max_tokens - len(seq.output_token_ids))
+        return min(-(-final // self.pool.block_size), self.per_seq)
+
+    def fits(self, seq: Sequence, running: Seq[Sequence]) -> bool:
+        """May ``seq`` be admitted next to ``running`` without the pool running out?"""
+        pool = self.pool
+        growth = 0
+        for other in running:
+            window = other.traj.window
+            held = window.num_held if window is not None else 0
+            growth += max(0, self.bound(other) - held)
+        wanted = pool.held_blocks() + growth + self.bound(seq) + self.chunk_blocks
+        return wanted <= pool.num_blocks
+
+
 def admission_hooks(
     kv: KVManager,
     offload: OffloadManager,
     sessions: SessionTable,
     clock: Callable[[], float],
     max_defer_s: float,
+    scheduler: SchedulerConfig | None = None,
 ) -> tuple[AdmissionHooks, HotStateGuard]:
     """The scheduler's hooks: idle sessions give way, prefixes come back from other tiers,
-    preemption swaps when that is cheaper, admissions wait for hot idle state."""
+    preemption swaps when that is cheaper, admissions wait for hot idle state and, with a
+    window pool, for room in it (sized by ``scheduler``'s chunks)."""
     swap = SwapPreemption(offload)
+    window_room = None
+    if kv.window is not None:
+        window_room = WindowAdmission(kv.window, scheduler or SchedulerConfig()).fits
     guard = HotStateGuard(kv, offload, sessions.idle, clock, max_defer_s)
 
     def on_admit(seq: Sequence) -> None:
@@ -138,5 +184,6 @@ def admission_hooks(
         preempt_cost=swap.cost_per_block,
         swap_out=swap.swap_out,
         defer_admission=guard.defer,
+        window_room=window_room,
     )
     return hooks, guard

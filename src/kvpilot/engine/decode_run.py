@@ -17,7 +17,8 @@ It returns 0 (and changes nothing) unless the next step is such a step:
 - every block the run needs is free or evictable from the prefix cache (a run allocates,
   and so evicts, at the same steps and in the same order as `Engine.step`);
 - no tier copy is in flight and no offload timer is due;
-- the executor implements `DecodeRunExecutor` and the clock can `advance` (a simulation).
+- the executor implements `DecodeRunExecutor` and the clock can `advance` (a simulation);
+- the model keeps no sliding-window pool (its window tables slide at every step).
 
 ``k`` ends before the step that samples any sequence's last token (``max_tokens``, the
 model's length, a stop token: finishing is left to `Engine.step`), before the pool would
@@ -90,6 +91,8 @@ def advance_decode_run(engine: Engine, until: float, max_steps: int = MAX_RUN_ST
     times = getattr(executor, "decode_run_times", None)
     clock = engine.clock
     if times is None or getattr(clock, "advance", None) is None:
+        return 0
+    if engine.kv.window is not None:  # window tables slide every step: left to step()
         return 0
     sched, cfg, offload, kv = engine.scheduler, engine.config.scheduler, engine.offload, engine.kv
     running = sched.running

@@ -105,7 +105,12 @@ class Engine:
             self.kv, self.offload, executor, self.clock.now, self.stats, runner=self
         )
         hooks, _ = admission_hooks(
-            self.kv, self.offload, self.sessions, self.clock.now, config.scheduler.max_defer_s
+            self.kv,
+            self.offload,
+            self.sessions,
+            self.clock.now,
+            config.scheduler.max_defer_s,
+            config.scheduler,
         )
         self.scheduler = Scheduler(config.scheduler, self.kv, hooks)
         self.requests: dict[str, Request] = {}

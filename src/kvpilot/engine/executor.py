@@ -83,10 +83,12 @@ class Executor(Protocol):
 @dataclass(frozen=True, slots=True)
 class WindowGroupSpec:
     """An executor's sliding-window layer group: its window and its pool of blocks (of the
-    same block size as the full group's; block 0 is the null block, all zeros)."""
+    same block size as the full group's; block 0 is the null block, all zeros), and what one
+    block of the window layers' KV costs on the device (0: not said)."""
 
     window_tokens: int
     num_blocks: int
+    block_bytes: int = 0
 
 
 @runtime_checkable
@@ -110,7 +112,11 @@ def window_kv_options(executor: object) -> dict[str, int]:
     spec = executor.window_group if isinstance(executor, WindowExecutor) else None
     if spec is None:
         return {}
-    return {"window_tokens": spec.window_tokens, "num_window_blocks": spec.num_blocks}
+    return {
+        "window_tokens": spec.window_tokens,
+        "num_window_blocks": spec.num_blocks,
+        "window_block_bytes": spec.block_bytes,
+    }
 
 
 class Transfer(Protocol):

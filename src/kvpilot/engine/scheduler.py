@@ -13,10 +13,10 @@ One step, in order (the spec's token-budget scheduling, eq. in "Token-budget sch
    committed prefix stays in the prefix cache and the rest is recomputed. Victims go back
    to the *front* of the waiting queue, so no request starves.
 2. Waiting sequences, preempted ones first, then by the device-resident prefix they had on
-   arrival, longest first (ties: first come first served), while KV usage is below
-   ``tau_high``, blocks are available and the budget lasts; a ``defer_admission`` hook may
-   hold one back (others are admitted past it). On admission a sequence reuses the longest
-   cached prefix of its tokens from the radix cache.
+   arrival, longest first (ties: first come first served), while KV usage (a hybrid model's
+   fuller pool) is below ``tau_high``, blocks are available and the budget lasts; a
+   ``defer_admission`` hook may hold one back (others are admitted past it). On admission a
+   sequence reuses the longest cached prefix of its tokens from the radix cache.
 """
 
 from __future__ import annotations
@@ -46,7 +46,10 @@ class AdmissionHooks:
     ``swap_out(seq)`` releases a victim's KV to the host tier when that beats recompute, and
     says whether it did (`kvpilot.engine.preemption.SwapPreemption`).
     ``defer_admission(seq)`` holds a waiting sequence back this step, others are admitted
-    past it (`kvpilot.engine.admission.HotStateGuard`).
+    past it (`kvpilot.engine.admission.HotStateGuard`). ``window_room(seq, running)`` says
+    whether a hybrid model's window pool has room for ``seq`` beside the running sequences;
+    if not, admission stops this step unless nothing runs
+    (`kvpilot.engine.admission.WindowAdmission`).
     """
 
     reclaim_idle: Callable[[int], int] | None = None
@@ -55,6 +58,7 @@ class AdmissionHooks:
     preempt_cost: Callable[[Sequence], float] | None = None
     swap_out: Callable[[Sequence], bool] | None = None
     defer_admission: Callable[[Sequence], bool] | None = None
+    window_room: Callable[[Sequence, list[Sequence]], bool] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +100,7 @@ class Scheduler:
         self.preempt_cost = hooks.preempt_cost
         self.swap_out = hooks.swap_out
         self.defer_admission = hooks.defer_admission
+        self.window_room = hooks.window_room
         self.held_back: set[int] = set()  # seq_ids the last step held back from admission
         self.num_deferred_admissions = 0  # sequences ever held back
         # Device-resident prefix blocks of each waiting sequence when it arrived (`add`).
@@ -135,9 +140,13 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def held_usage(self) -> float:
-        """Device KV usage counting only blocks that cannot be evicted right now."""
+        """Device KV usage counting only blocks that cannot be evicted right now; with a
+        sliding-window pool (hybrid models), of the fuller pool: either one running out
+        stops new work."""
         total = self.kv.device.num_blocks
-        return (total - self.kv.free_blocks()) / total
+        usage = (total - self.kv.free_blocks()) / total
+        window = self.kv.window
+        return usage if window is None else max(usage, window.held_usage())
 
     def memory_pressure(self) -> float:
         """Shadow price of device memory: 1 while work waits, else usage against tau_high."""
@@ -185,6 +194,8 @@ class Scheduler:
                 i += 1
                 continue
             if self.held_usage() >= cfg.tau_high and not self._make_room():
+                break
+            if self.window_room and self.running and not self.window_room(seq, self.running):
                 break
             if self.ensure_resident is not None and not self._resident(seq):
                 i += 1

@@ -37,6 +37,45 @@ class TierUsage:
 
 
 @dataclass(frozen=True, slots=True)
+class WindowPoolUsage:
+    """A hybrid model's sliding-window layer group (`kvpilot.memory.window`): its own device
+    pool beside the main one, which never moves to host or disk.
+
+    Blocks exclude the null block. ``used_blocks`` are off the free list: ``held_blocks``
+    that trajectories need, plus cache entries nobody holds (evictable at once);
+    ``cached_blocks`` counts every cache entry (some also held). ``released_blocks``: blocks
+    open trajectories dropped because they fell wholly outside the window, which full
+    attention would still hold in these layers; ``saved_bytes`` is that in bytes (0 when the
+    executor does not say what a block costs).
+    """
+
+    window_tokens: int = 0
+    num_blocks: int = 0
+    used_blocks: int = 0
+    held_blocks: int = 0
+    cached_blocks: int = 0
+    released_blocks: int = 0
+    block_bytes: int = 0
+
+    @property
+    def usage(self) -> float:
+        return self.used_blocks / self.num_blocks if self.num_blocks else 0.0
+
+    @property
+    def held_usage(self) -> float:
+        """What admission weighs against tau_high (`Scheduler.held_usage`)."""
+        return self.held_blocks / self.num_blocks if self.num_blocks else 0.0
+
+    @property
+    def free_blocks(self) -> int:
+        return self.num_blocks - self.used_blocks
+
+    @property
+    def saved_bytes(self) -> int:
+        return self.released_blocks * self.block_bytes
+
+
+@dataclass(frozen=True, slots=True)
 class TierLayout:
     """The tiers and the pause policy as the engine applied them."""
 
@@ -76,8 +115,9 @@ class EngineSnapshot:
     fork_copied_blocks: int = 0
     # the memory core
     kv_usage: float = 0.0  # device U_KV: blocks allocated over the pool
-    kv_held: float = 0.0  # not counting cached blocks that could be evicted now
+    kv_held: float = 0.0  # not counting evictable cache; of a hybrid's fuller pool
     tau_high: float = 0.0  # the admission ceiling on kv_held: new work waits above it
+    window: WindowPoolUsage | None = None  # hybrid models' sliding-window pool
     prefix_queried_tokens: int = 0
     prefix_hit_tokens: int = 0
     evicted_blocks: int = 0
@@ -159,6 +199,7 @@ def take_snapshot(
         kv_usage=kv.device.usage,
         kv_held=scheduler.held_usage(),
         tau_high=config.scheduler.tau_high,
+        window=window_usage(kv),
         prefix_queried_tokens=radix.stats.queried_tokens,
         prefix_hit_tokens=radix.stats.hit_tokens,
         evicted_blocks=radix.stats.evicted_blocks,
@@ -184,6 +225,25 @@ def take_snapshot(
         reload_p50_s=ts.reload_p50_s(),
         link_bw_bytes_s=mover.link_bw(),
         disk_bw_bytes_s=mover.disk_bw(),
+    )
+
+
+def window_usage(kv: KVManager) -> WindowPoolUsage | None:
+    """The window pool's figures (None: no window group); costs one pass over the open
+    trajectories, like ``resident_trajectories``."""
+    pool = kv.window
+    if pool is None:
+        return None
+    held = pool.held_blocks()
+    released = sum(t.window.lo for t in kv.trajectories.values() if t.window is not None)
+    return WindowPoolUsage(
+        window_tokens=pool.window,
+        num_blocks=pool.num_blocks,
+        used_blocks=pool.used_blocks,
+        held_blocks=held,
+        cached_blocks=len(pool.cache),
+        released_blocks=released,
+        block_bytes=pool.block_bytes,
     )
 
 

@@ -29,6 +29,7 @@ class KVConfig:
     # Hybrid models: the sliding-window layer group (memory.window). 0: no such group.
     window_tokens: int = 0
     num_window_blocks: int = 0  # the window group's pool, its null block included
+    window_block_bytes: int = 0  # one window-group block's KV on the device (0: unknown)
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -66,7 +67,10 @@ class KVManager:
         self.window: WindowPool | None = None
         if config.window_tokens:
             self.window = WindowPool(
-                config.num_window_blocks, config.window_tokens, config.block_size
+                config.num_window_blocks,
+                config.window_tokens,
+                config.block_size,
+                config.window_block_bytes,
             )
         self.radix = RadixCache(config.block_size, self.pools, clock, config.model_fingerprint)
         self.trajectories: dict[int, Trajectory] = {}

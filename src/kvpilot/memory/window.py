@@ -31,6 +31,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable
 
+import numpy as np
+
 from kvpilot.errors import ConfigError, require
 from kvpilot.memory.block_pool import BlockPool
 from kvpilot.memory.tiers import Tier
@@ -49,12 +51,25 @@ def max_held_blocks(window: int, block_size: int) -> int:
 
 
 class WindowPool:
-    """The window group's device pool (block 0 reserved as the null block) and its cache."""
+    """The window group's device pool (block 0 reserved as the null block) and its cache.
 
-    __slots__ = ("block_size", "cache", "evictions", "hits", "pool", "window")
+    ``block_bytes``: one block of the window layers' KV on the device (0 when the executor
+    does not say), for what releasing saves (`kvpilot.engine.snapshot.WindowPoolUsage`).
+    """
+
+    __slots__ = (
+        "_cached",
+        "block_bytes",
+        "block_size",
+        "cache",
+        "evictions",
+        "hits",
+        "pool",
+        "window",
+    )
     # hits: blocks a prefix hit took from the cache; evictions: cache entries evicted
 
-    def __init__(self, num_blocks: int, window: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, window: int, block_size: int, block_bytes: int = 0) -> None:
         if window < 1:
             raise ConfigError(f"a sliding window must be >= 1 token, got {window}")
         if num_blocks < 2:
@@ -63,10 +78,12 @@ class WindowPool:
             )
         self.window = window
         self.block_size = block_size
+        self.block_bytes = block_bytes
         self.pool = BlockPool(num_blocks, Tier.DEVICE)
         null = self.pool.allocate(1)[0]
         assert null == NULL_BLOCK
         self.cache: OrderedDict[bytes, int] = OrderedDict()  # hash -> block, LRU first
+        self._cached = np.zeros(num_blocks, dtype=bool)  # block -> in the cache (vectorised)
         self.hits = 0
         self.evictions = 0
 
@@ -78,13 +95,27 @@ class WindowPool:
     def first_needed(self, pos: int) -> int:
         return first_needed(pos, self.window, self.block_size)
 
+    @property
+    def used_blocks(self) -> int:
+        """Blocks not on the free list (held or cached), the null block excluded."""
+        return self.pool.num_used - 1
+
     def held_blocks(self) -> int:
         """Blocks that are neither free nor evictable cache entries."""
         return self.pool.num_used - 1 - self.evictable_blocks()
 
     def evictable_blocks(self) -> int:
-        refcount = self.pool.refcount
-        return sum(1 for block in self.cache.values() if refcount(block) == 1)
+        """Cache entries nobody else holds (one vectorised pass over the pool's refcounts:
+        admission asks every step)."""
+        return int(np.count_nonzero(self._cached & (self.pool.refcounts() == 1)))
+
+    def free_blocks(self) -> int:
+        """Blocks an allocation can count on: free now plus evictable from the cache."""
+        return self.pool.num_free + self.evictable_blocks()
+
+    def held_usage(self) -> float:
+        """Held blocks over the pool's (the null block excluded): what admission weighs."""
+        return (self.num_blocks - self.free_blocks()) / self.num_blocks
 
     def allocate(self, n: int) -> list[int]:
         """``n`` fresh blocks, evicting cache entries nobody holds if short (OutOfBlocks if
@@ -102,8 +133,11 @@ class WindowPool:
                 victims.append(h)
                 if len(victims) == n:
                     break
+        cached = self._cached
         for h in victims:
-            self.pool.decref(self.cache.pop(h))
+            block = self.cache.pop(h)
+            cached[block] = False
+            self.pool.decref(block)
         self.evictions += len(victims)
 
     def publish(self, key: bytes, block: int) -> None:
@@ -114,6 +148,7 @@ class WindowPool:
             return
         self.pool.incref(block)
         self.cache[key] = block
+        self._cached[block] = True
 
     def lookup(self, key: bytes) -> int | None:
         block = self.cache.get(key)
@@ -138,6 +173,9 @@ class WindowPool:
         for block in self.cache.values():
             require(block != NULL_BLOCK, "the window cache holds the null block")
             counts[block] += 1
+        in_cache = np.zeros(self.pool.num_blocks, dtype=bool)
+        in_cache[list(self.cache.values())] = True
+        require(bool((in_cache == self._cached).all()), "the window cache's block mask is stale")
         refs = self.pool.refcounts()
         for block, n in enumerate(counts):
             require(

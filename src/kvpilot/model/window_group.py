@@ -24,6 +24,7 @@ from kvpilot.errors import ConfigError, InvalidRequest
 from kvpilot.model.batch import StepBatch
 from kvpilot.model.config import ModelConfig
 from kvpilot.model.kv_cache import KVCache, kv_bytes_per_block
+from kvpilot.sizing.pool_split import PoolSplit, split_pool
 
 
 def has_window_group(config: ModelConfig, *, tiered: bool = False) -> bool:
@@ -61,14 +62,6 @@ class LayerGroups:
         return self.windowed.count(True)
 
 
-@dataclass(frozen=True, slots=True)
-class PoolSplit:
-    """A KV memory budget split between the two groups' pools (blocks of each)."""
-
-    main_blocks: int
-    window_blocks: int  # the null block included
-
-
 def split_kv_budget(
     config: ModelConfig,
     memory_bytes: int,
@@ -78,34 +71,23 @@ def split_kv_budget(
     max_num_seqs: int,
     max_num_batched_tokens: int,
 ) -> PoolSplit:
-    """The window pool gets what a full batch can hold at once: every running sequence's
-    window (ceil(W/B) + 1 blocks) plus its growing block, plus one step's new tokens; the
-    main (full-attention) pool gets the rest. With no full-attention layer, main blocks
-    cost nothing: there are enough for every window-pool sequence at the model's longest
-    context. The window pool is never larger than the whole budget's block count."""
+    """The two pools' blocks, as `kvpilot.sizing.pool_split.split_pool` splits them (the
+    simulator sizes its pools the same way): the window pool holds every running sequence's
+    window (ceil(W/B) + 1 blocks) plus its growing block, plus one step's new tokens, for
+    at most as many sequences as the budget holds at the model's longest context; the main
+    (full-attention) pool gets the rest."""
     assert config.sliding_window is not None
     layers = LayerGroups.of(config)
-    full = kv_bytes_per_block(config, block_size, dtype, layers.num_full)
-    windowed = kv_bytes_per_block(config, block_size, dtype, layers.num_windowed)
-    today = memory_bytes // (full + windowed)
-    if today < 1:
-        raise ConfigError(
-            f"KV memory of {memory_bytes} bytes holds no block of {full + windowed} bytes "
-            f"(block_size {block_size}); give more memory or a smaller block size"
-        )
-    per_seq = -(-config.sliding_window // block_size) + 2
-    wanted = max_num_seqs * per_seq + -(-max_num_batched_tokens // block_size)
-    window = min(wanted, today) + 1
-    if full == 0:
-        longest = -(-config.max_position_embeddings // block_size)
-        return PoolSplit(max(today, (window // per_seq) * longest), window)
-    main = (memory_bytes - window * windowed) // full
-    if main < 1:
-        raise ConfigError(
-            f"KV memory of {memory_bytes} bytes leaves no full-attention block after the "
-            f"sliding-window pool ({window} blocks); give more memory or lower max_num_seqs"
-        )
-    return PoolSplit(main, window)
+    return split_pool(
+        memory_bytes,
+        kv_bytes_per_block(config, block_size, dtype, layers.num_full),
+        kv_bytes_per_block(config, block_size, dtype, layers.num_windowed),
+        window_tokens=config.sliding_window,
+        block_size=block_size,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        longest_tokens=config.max_position_embeddings,
+    )
 
 
 class WindowGroup:
@@ -126,7 +108,8 @@ class WindowGroup:
             )
         assert config.sliding_window is not None
         self.layers = LayerGroups.of(config)
-        self.spec = WindowGroupSpec(config.sliding_window, num_blocks)
+        block_bytes = kv_bytes_per_block(config, block_size, dtype, self.layers.num_windowed)
+        self.spec = WindowGroupSpec(config.sliding_window, num_blocks, block_bytes)
         self.cache = KVCache(
             config, num_blocks, block_size, dtype, device, num_layers=self.layers.num_windowed
         )

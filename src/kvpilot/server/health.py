@@ -24,7 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from kvpilot.server.protocol import ApiError
 from kvpilot.server.state import ServerState, authorization, get_state
-from kvpilot.server.tiers import describe_tiers
+from kvpilot.server.tiers import describe_tiers, window_kv
 
 router = APIRouter()
 
@@ -71,6 +71,7 @@ async def health(request: Request) -> JSONResponse:
             tier: {"blocks": t.num_blocks, "used": t.used_blocks, "cached": t.cached_blocks}
             for tier, t in snap.tiers.items()
         },
+        "window_kv": window_kv(snap),
         "tiers": describe_tiers(snap),
         "pauses": {
             "decisions": snap.pause_decisions,

@@ -109,6 +109,48 @@ class _EngineCollector(Collector):
             "kvpilot_kv_evicted_blocks", "Blocks evicted from the radix cache", s.evicted_blocks
         )
         yield from _tier_metrics(s)
+        yield from _window_metrics(s)
+
+
+def _window_metrics(s: EngineSnapshot) -> Iterator[Metric]:
+    """A hybrid model's sliding-window pool (none without one)."""
+    w = s.window
+    if w is None:
+        return
+    yield _gauge(
+        "kvpilot_window_kv_usage_ratio",
+        "Sliding-window layers' KV pool: blocks in use over pool size",
+        w.usage,
+    )
+    blocks = GaugeMetricFamily(
+        "kvpilot_window_kv_blocks",
+        "Sliding-window layers' KV pool by state: total, used (held or cached), held (by "
+        "trajectories; admission weighs it against tau_high), cached, free",
+        labels=["state"],
+    )
+    for state, n in (
+        ("total", w.num_blocks),
+        ("used", w.used_blocks),
+        ("held", w.held_blocks),
+        ("cached", w.cached_blocks),
+        ("free", w.free_blocks),
+    ):
+        blocks.add_metric([state], n)
+    yield blocks
+    yield _gauge(
+        "kvpilot_window_tokens", "Sliding window of the windowed layers, in tokens", w.window_tokens
+    )
+    yield _gauge(
+        "kvpilot_window_kv_released_blocks",
+        "Window-pool blocks open trajectories released outside their window (full attention "
+        "would hold them)",
+        w.released_blocks,
+    )
+    yield _gauge(
+        "kvpilot_window_kv_saved_bytes",
+        "Device bytes the released window blocks would take under full attention",
+        w.saved_bytes,
+    )
 
 
 def _tier_metrics(s: EngineSnapshot) -> Iterator[Metric]:

@@ -73,3 +73,20 @@ def describe_tiers(snap: EngineSnapshot) -> dict[str, Any]:
         "prefetch": layout.prefetch,
         "default_tool_wait_s": layout.default_tool_wait_s,
     }
+
+
+def window_kv(snap: EngineSnapshot) -> dict[str, Any] | None:
+    """A hybrid model's sliding-window pool (for /health; None without one). Its KV stays on
+    the device: released outside the window, or recomputed, never offloaded."""
+    w = snap.window
+    if w is None:
+        return None
+    return {
+        "window_tokens": w.window_tokens,
+        "blocks": w.num_blocks,
+        "used": w.used_blocks,
+        "held": w.held_blocks,
+        "cached": w.cached_blocks,
+        "released": w.released_blocks,
+        "saved_bytes": w.saved_bytes,
+    }

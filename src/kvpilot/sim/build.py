@@ -12,9 +12,9 @@ leave room for one sequence of ``max_model_len``), and ``max_model_len`` default
 model's own context limit (a longer one is clamped to it, with a warning).
 
 Hybrid models: the cost model reads sliding-window layers' KV only within their window,
-but the engine keeps every layer's blocks (per-layer-group block tables are not in the
-engine yet), so the simulated pool is counted in blocks spanning every layer, as the real
-engine would allocate them.
+and the engine keeps those layers' KV in a window pool of its own, releasing blocks wholly
+outside the window, as the real engine does; the two pools are split by the plan's
+per-layer arithmetic (`kvpilot.sim.pools`).
 """
 
 from __future__ import annotations
@@ -32,12 +32,14 @@ from kvpilot.sim.cost_model import RooflineCostModel, StepCostModel
 from kvpilot.sim.disk import SimulatedDiskStore
 from kvpilot.sim.drivers import AgentDriver, ReplayDriver
 from kvpilot.sim.policies import apply_policy, resolve_policy
+from kvpilot.sim.pools import host_kv_bytes, pool_warnings, sim_pools
 from kvpilot.sim.profile import CalibratedCostModel, StepProfile
 from kvpilot.sim.replay import ReplaySession
 from kvpilot.sim.report import SimResult
 from kvpilot.sim.runner import SimulatedRunner
 from kvpilot.sim.simulator import Simulator
 from kvpilot.sim.transport import SimulatedTransport
+from kvpilot.sim.window_runner import WindowedSimulatedRunner
 from kvpilot.sim.workload import WorkloadConfig
 from kvpilot.sizing.capacity import (
     DEFAULT_RESERVE_BYTES_PER_DEVICE,
@@ -150,13 +152,7 @@ class SimSetup:
                 f"{limit:,} tokens (max_position_embeddings): simulated at {limit:,}"
             )
         out.extend(dtype_warnings(g))
-        if g.is_hybrid:
-            out.append(
-                f"{g.name} has {g.describe_layers()}: the cost model reads window layers "
-                f"within their window, but the engine keeps every layer's blocks "
-                f"(per-layer-group block tables are not in yet), so the pool holds fewer "
-                f"trajectories than `kvpilot plan` counts"
-            )
+        out.extend(pool_warnings(self))
         return tuple(out)
 
     def block_size(self) -> int:
@@ -176,17 +172,14 @@ def kv_pool_blocks(
     return row.num_blocks
 
 
-def make_transport(setup: SimSetup, clock: VirtualClock) -> SimulatedTransport | None:
-    """The host tier over each device's host link, or None (no tier, or a measured profile)."""
-    host_bytes = setup.host_kv_bytes_per_device
-    if setup.profile is not None and host_bytes is None:
-        return None
-    node, geometry = setup.parsed_node(), setup.geometry()
-    accel = node.accelerator
-    if host_bytes is None:
-        host_bytes = accel.host_mem_bytes / 2
-    block_bytes = setup.block_size() * geometry.bytes_per_token(setup.tp_degree())
-    blocks = int(host_bytes // block_bytes)
+def make_transport(
+    setup: SimSetup, clock: VirtualClock, block_bytes: int
+) -> SimulatedTransport | None:
+    """The host tier over each device's host link, holding main-pool blocks of
+    ``block_bytes``, or None (no tier, or a measured profile)."""
+    host_bytes = host_kv_bytes(setup)
+    accel = setup.parsed_node().accelerator
+    blocks = int(host_bytes // block_bytes) if host_bytes and block_bytes else 0
     if blocks < 1:
         return None
     return SimulatedTransport(
@@ -197,9 +190,8 @@ def make_transport(setup: SimSetup, clock: VirtualClock) -> SimulatedTransport |
     )
 
 
-def make_disk(setup: SimSetup, clock: VirtualClock) -> SimulatedDiskStore | None:
+def make_disk(setup: SimSetup, clock: VirtualClock, block_bytes: int) -> SimulatedDiskStore | None:
     """The node's NVMe as a disk tier, each device's share of it, or None (size 0)."""
-    block_bytes = setup.block_size() * setup.geometry().bytes_per_token(setup.tp_degree())
     slots = int(setup.disk_kv_bytes_per_device // block_bytes)
     if slots < 1:
         return None
@@ -240,21 +232,25 @@ def build_engine(
     """A simulated engine for ``setup`` under ``policy``, and the policy's note (if any)."""
     config, note = apply_policy(resolve_policy(policy), setup.engine)
     cost = make_cost_model(setup)
-    blocks = setup.kv_blocks
-    if blocks is None:
-        node = setup.parsed_node()
-        blocks = kv_pool_blocks(
-            setup.geometry(),
-            node,
-            setup.tp_degree(),
-            setup.block_size(),
-            setup.reserve_bytes_per_device,
-        )
+    pools = sim_pools(setup)
     clock = VirtualClock()
-    transport = make_transport(setup, clock)
-    runner = SimulatedRunner(
-        cost, clock, num_blocks=blocks, block_size=setup.block_size(), vocab_size=vocab_size
-    )
+    transport = make_transport(setup, clock, pools.main_block_bytes)
+    block_size = setup.block_size()
+    runner: SimulatedRunner
+    if pools.window is None:
+        runner = SimulatedRunner(
+            cost, clock, num_blocks=pools.main_blocks, block_size=block_size, vocab_size=vocab_size
+        )
+    else:
+        runner = WindowedSimulatedRunner(
+            cost,
+            clock,
+            pools.window,
+            num_blocks=pools.main_blocks,
+            block_size=block_size,
+            vocab_size=vocab_size,
+        )
+    disk = make_disk(setup, clock, pools.main_block_bytes) if transport is not None else None
     engine = Engine(
         runner,
         config,
@@ -263,7 +259,7 @@ def build_engine(
         max_model_len=setup.model_len(),
         clock=clock,
         transport=transport,
-        disk=make_disk(setup, clock) if transport is not None else None,  # type: ignore[arg-type]
+        disk=disk,  # type: ignore[arg-type]
     )
     return engine, note
 

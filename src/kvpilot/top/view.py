@@ -102,7 +102,31 @@ def _memory(s: Sample) -> Table:
             f"{used:,.0f} / {total:,.0f}",
             f"{cached:,.0f}",
         )
+    _window_row(table, s, tau)
     return table
+
+
+def _window_row(table: Table, s: Sample, tau: float) -> None:
+    """A hybrid model's sliding-window pool: held blocks against tau_high (admission weighs
+    the fuller pool), and what releasing blocks outside the window saves."""
+    total = s.value("kvpilot_window_kv_blocks", state="total")
+    if not total:
+        return
+    used = s.value("kvpilot_window_kv_blocks", state="used")
+    held = s.value("kvpilot_window_kv_blocks", state="held")
+    window = s.value("kvpilot_window_tokens")
+    saved = s.value("kvpilot_window_kv_saved_bytes")
+    ratio = held / total
+    table.add_row(
+        f"window ({window:,.0f} tok)",
+        usage_bar(ratio, tau),
+        f"{ratio:.0%}",
+        f"{held:,.0f} / {total:,.0f}",
+        f"{used - held:,.0f}",
+    )
+    released = s.value("kvpilot_window_kv_released_blocks")
+    note = f"saves {format_bytes(saved)}" if saved else f"{released:,.0f} blocks released"
+    table.add_row("", Text(f"{note} vs full attention", style="dim"), "", "", "")
 
 
 def _work(s: Sample) -> Table:
