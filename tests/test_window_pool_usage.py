@@ -101,14 +101,15 @@ def test_metrics_health_and_top_show_the_window_pool(hybrid: Path) -> None:
     assert f"saves {format_bytes(w.saved_bytes)} vs full attention" in text
 
 
-def test_a_model_without_windows_exports_no_window_pool() -> None:
+def test_a_model_without_windows_exports_an_empty_window_pool() -> None:
     engine = Engine.from_pretrained("tiny", kv_blocks=32, block_size=8)
     engine.generate([[5, 6, 7, 8, 9]], GREEDY)
     assert engine.snapshot().window is None
     metrics = ServerMetrics(block_size=8)
     metrics.observe(engine)
     exported = parse_metrics(metrics.render().decode())
-    assert not [name for name in exported if name.startswith("kvpilot_window")]
+    window = {name: v for name, v in exported.items() if name.startswith("kvpilot_window")}
+    assert len(window) == 5 and all(x == 0 for v in window.values() for x in v.values())
     assert window_kv(metrics.latest) is None
     console = Console(record=True, width=100)
     console.print(view._memory(Sample(at=0.0, metrics=exported)))

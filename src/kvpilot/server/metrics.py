@@ -17,7 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from kvpilot.engine import Engine, RequestOutput
-from kvpilot.engine.snapshot import SESSION_STATES, EngineSnapshot
+from kvpilot.engine.snapshot import SESSION_STATES, EngineSnapshot, WindowPoolUsage
 from kvpilot.engine.tier_stats import DIRECTIONS
 from kvpilot.policy.breakeven import PauseAction
 from kvpilot.trace.ideal import IdealHitMeter
@@ -113,10 +113,9 @@ class _EngineCollector(Collector):
 
 
 def _window_metrics(s: EngineSnapshot) -> Iterator[Metric]:
-    """A hybrid model's sliding-window pool (none without one)."""
-    w = s.window
-    if w is None:
-        return
+    """A hybrid model's sliding-window pool (zeros without one, so that dashboards always
+    find the series)."""
+    w = s.window or WindowPoolUsage()
     yield _gauge(
         "kvpilot_window_kv_usage_ratio",
         "Sliding-window layers' KV pool: blocks in use over pool size",
