@@ -13,7 +13,9 @@ from typing import Any
 
 import pytest
 from test_plan_hybrid import GEMMA_2_9B, H100, H200, MISTRAL_7B_V01, QWEN3_MIXED
+from typer.testing import CliRunner
 
+from kvpilot.cli import app
 from kvpilot.engine.config import EngineConfig
 from kvpilot.sim.build import SimSetup, build_engine, kv_pool_blocks
 from kvpilot.sim.drivers import AgentDriver
@@ -21,6 +23,7 @@ from kvpilot.sim.pools import sim_pools
 from kvpilot.sim.simulator import Simulator
 from kvpilot.sim.window_runner import WindowedSimulatedRunner
 from kvpilot.sim.workload import WorkloadConfig
+from kvpilot.sizing.geometry import resolve_geometry
 from kvpilot.sizing.hardware import parse_node
 from kvpilot.sizing.plan import PlanConfig, make_plan
 
@@ -148,3 +151,40 @@ def test_a_hybrid_simulation_releases_window_blocks_and_stays_consistent(
     engine.step = checked_step  # type: ignore[method-assign]
     sim.run(AgentDriver(wl, engine.max_model_len))
     assert sim.turns.prompt_tokens and released > 0
+
+
+@pytest.mark.parametrize(
+    ("name", "config", "node", "context"),
+    [
+        ("gemma-2-9b", GEMMA_2_9B, "1xh100", 8192),
+        ("qwen3-mixed", QWEN3_MIXED, "1xh200", 131072),
+        ("mistral-7b-v0.1", MISTRAL_7B_V01, "1xh100", 32768),
+    ],
+)
+def test_plan_and_simulator_split_the_pools_alike(
+    tmp_path: Path, name: str, config: dict[str, Any], node: str, context: int
+) -> None:
+    model = config_dir(tmp_path, name, config)
+    setup = SimSetup(model=str(model), node=node, tp=1, host_kv_bytes_per_device=0)
+    pools = sim_pools(setup)
+    assert pools.window is not None
+    plan = make_plan(PlanConfig(setup.geometry(), parse_node(node), tp=1, contexts=(context,)))
+    (row,) = plan.pools
+    assert (row.main_blocks, row.window_blocks) == (pools.main_blocks, pools.window.num_blocks)
+    assert (row.main_block_bytes, row.window_block_bytes) == (
+        pools.main_block_bytes,
+        pools.window.block_bytes,
+    )
+    # The pools hold the plan's cold capacity at the longest context, less at most one
+    # sequence (the engine keeps two blocks more per window than W tokens).
+    cold = plan.capacity[0].cold
+    assert cold - 1 <= row.longest_seqs <= cold
+    shown = CliRunner().invoke(app, ["plan", "--model", str(model), "--node", node, "--tp", "1"])
+    assert shown.exit_code == 0 and "Hybrid pools per device" in shown.output
+    assert f"{row.window_blocks:,}" in shown.output
+
+
+def test_a_full_attention_plan_has_no_hybrid_pools() -> None:
+    assert make_plan(PlanConfig(resolve_geometry("llama-3-8b"), parse_node("1xh100"))).pools == ()
+    shown = CliRunner().invoke(app, ["plan", "--model", "llama-3-8b", "--node", "1xh100"])
+    assert shown.exit_code == 0 and "Hybrid pools" not in shown.output

@@ -103,6 +103,7 @@ def render_plan(plan: Plan, console: Console) -> None:
             format_percent(block_row.tail_waste_fraction, 2),
         )
     console.print(blocks)
+    _render_pools(plan, console)
 
     if not plan.pauses:
         return
@@ -127,6 +128,32 @@ def render_plan(plan: Plan, console: Console) -> None:
     console.print(pause)
     for pause_row in plan.pauses:
         console.print(f"{pause_row.context_tokens:,} tokens: {pause_row.decision.reason}")
+
+
+def _render_pools(plan: Plan, console: Console) -> None:
+    """A hybrid model's two pools per device, as the engine and `kvpilot sim` split them."""
+    if not plan.pools:
+        return
+    longest = plan.pools[0].longest_tokens
+    pools = Table(
+        title=f"Hybrid pools per device (main: full-attention layers, window: sliding-window "
+        f"layers; for {plan.num_seqs:,} sequences)",
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+    )
+    for name in ("block (tokens)", "main blocks", "main (GB)", "window blocks", "window (GB)"):
+        pools.add_column(name, justify="right")
+    pools.add_column(f"seqs at {longest:,}", justify="right")
+    for row in plan.pools:
+        pools.add_row(
+            f"{row.block_size}",
+            f"{row.main_blocks:,}",
+            _gb(row.main_blocks * row.main_block_bytes),
+            f"{row.window_blocks:,}",
+            _gb(row.window_blocks * row.window_block_bytes),
+            f"{row.longest_seqs:,}",
+        )
+    console.print(pools)
 
 
 FRAG_COLUMNS = ("alloc. eff. %", "ext. frag. %", "effective eff. %")

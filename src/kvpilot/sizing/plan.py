@@ -29,12 +29,14 @@ from kvpilot.sizing.capacity import (
 )
 from kvpilot.sizing.geometry import ModelGeometry
 from kvpilot.sizing.hardware import Node
+from kvpilot.sizing.pool_split import HybridPoolRow, hybrid_pool_rows
 
 DEFAULT_CONTEXTS: tuple[int, ...] = (8192, 32768, 131072)
 DEFAULT_SHARED_TOKENS = 24576
 DEFAULT_BLOCK_SIZES: tuple[int, ...] = (16,)
 DEFAULT_NUM_SEQS = 256
 DEFAULT_MFU = 0.45
+DEFAULT_STEP_TOKENS = 2048  # the engine's and simulator's default token budget per step
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,6 +149,7 @@ class Plan:
     capacity: tuple[CapacityRow, ...]
     blocks: tuple[BlockRow, ...]
     pauses: tuple[PauseRow, ...]
+    pools: tuple[HybridPoolRow, ...] = ()  # hybrid models: the main and window pools
 
 
 def pause_inputs(
@@ -262,6 +265,15 @@ def make_plan(config: PlanConfig) -> Plan:
         block_sizing(budget.pool_bytes_per_device, footprint.device_bytes, b, config.num_seqs)
         for b in config.block_sizes
     )
+    pools = hybrid_pool_rows(
+        geometry,
+        budget.pool_bytes_per_device,
+        tp,
+        config.block_sizes,
+        max_num_seqs=config.num_seqs,
+        max_num_batched_tokens=DEFAULT_STEP_TOKENS,
+        longest_tokens=longest,
+    )
     pauses: tuple[PauseRow, ...] = ()
     if config.pause_s is not None:
         pauses = tuple(
@@ -302,4 +314,5 @@ def make_plan(config: PlanConfig) -> Plan:
         capacity=tuple(rows),
         blocks=blocks,
         pauses=pauses,
+        pools=pools,
     )

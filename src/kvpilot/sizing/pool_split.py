@@ -109,3 +109,63 @@ def hybrid_blocks(geometry: ModelGeometry, tp: int, block_size: int) -> HybridBl
         window_block_bytes=window_layers * per_layer,
         window_tokens=max(g.window_tokens or 0 for g in windows),
     )
+
+
+@dataclass(frozen=True, slots=True)
+class HybridPoolRow:
+    """One device's pools at one block size, as the engine and the simulator split them, and
+    how many sequences of ``longest_tokens`` they hold at once (each pool's blocks over what
+    one such sequence holds there)."""
+
+    block_size: int
+    main_blocks: int
+    main_block_bytes: int
+    window_blocks: int  # the null block included
+    window_block_bytes: int
+    longest_tokens: int
+    longest_seqs: int
+
+
+def hybrid_pool_rows(
+    geometry: ModelGeometry,
+    pool_bytes: float,
+    tp: int,
+    block_sizes: tuple[int, ...],
+    *,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    longest_tokens: int,
+) -> tuple[HybridPoolRow, ...]:
+    """`split_pool` at each block size (none for a model without window layers)."""
+    rows = []
+    for bs in block_sizes:
+        blocks = hybrid_blocks(geometry, tp, bs)
+        if blocks is None:
+            return ()
+        split = split_pool(
+            pool_bytes,
+            blocks.main_block_bytes,
+            blocks.window_block_bytes,
+            window_tokens=blocks.window_tokens,
+            block_size=bs,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            longest_tokens=longest_tokens,
+        )
+        longest = _ceil_div(longest_tokens, bs)
+        per_seq = min(window_blocks_per_seq(blocks.window_tokens, bs), longest + 1)
+        seqs = (split.window_blocks - 1) // per_seq
+        if blocks.main_block_bytes:
+            seqs = min(seqs, split.main_blocks // longest)
+        rows.append(
+            HybridPoolRow(
+                block_size=bs,
+                main_blocks=split.main_blocks,
+                main_block_bytes=blocks.main_block_bytes,
+                window_blocks=split.window_blocks,
+                window_block_bytes=blocks.window_block_bytes,
+                longest_tokens=longest_tokens,
+                longest_seqs=max(0, seqs),
+            )
+        )
+    return tuple(rows)
