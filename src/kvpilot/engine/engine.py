@@ -20,6 +20,7 @@ from kvpilot.engine.branches import fork_branches
 from kvpilot.engine.clock import Clock, WallClock
 from kvpilot.engine.config import EngineConfig, check_honoured
 from kvpilot.engine.executor import Executor, TierTransport, WindowExecutor, window_kv_options
+from kvpilot.engine.idle_skip import IDLE_STEP_S, IdleSkipper
 from kvpilot.engine.offload import OffloadManager
 from kvpilot.engine.outputs import as_prompt_list, snapshot, stop_reason
 from kvpilot.engine.request import (
@@ -40,9 +41,8 @@ from kvpilot.errors import InvalidRequest
 from kvpilot.memory import KVConfig, KVManager, Tier
 from kvpilot.policy.breakeven import PauseDecision
 
-# With nothing to run but copies in flight: the step's idle pause, and the most real time a
-# virtual clock gives copies that run on threads before it moves on.
-IDLE_STEP_S = 0.0005
+# With nothing to run but copies in flight: the most real time a virtual clock gives copies
+# that run on threads before it moves on (the idle step itself: `IDLE_STEP_S`).
 REAL_COPY_WAIT_S = 0.05
 
 if TYPE_CHECKING:
@@ -118,6 +118,7 @@ class Engine:
         self._request_ids = itertools.count()
         self._rng = random.Random(self.config.seed)
         self._finished_outputs: dict[str, RequestOutput] = {}
+        self._idle_skipper = IdleSkipper(self)
 
     # -- construction -----------------------------------------------------------------
 
@@ -219,9 +220,13 @@ class Engine:
 
     # -- the step loop ----------------------------------------------------------------
 
-    def step(self, *, snapshots: bool = True) -> list[RequestOutput]:
+    def step(
+        self, *, snapshots: bool = True, idle_until: float | None = None
+    ) -> list[RequestOutput]:
         """Run one scheduled batch; returns a snapshot of every request that progressed
-        (with ``snapshots=False``, only of those that finished: the simulator's fast path)."""
+        (with ``snapshots=False``, only of those that finished: the simulator's fast path).
+        ``idle_until``: the caller's next event (clock time), which lets an idle step on
+        virtual time skip ahead to the next copy completion before it (`IdleSkipper`)."""
         self.offload.poll(self.sessions.idle)
         sched = self.scheduler.schedule()
         for seq in sched.starved:
@@ -230,7 +235,7 @@ class Engine:
             self._finish_request_if_done(seq.request)
         if not sched.scheduled:
             if self.offload.busy() or self.scheduler.held_back:
-                self._let_copies_run()
+                self._let_copies_run(idle_until)
             return [self._snapshot(s.request) for s in sched.starved]
         start = self.clock.now()
         result = self.executor.execute(sched.works)
@@ -241,17 +246,20 @@ class Engine:
             self.offload.observe_step(sched.num_prefill_tokens, now - start, context)
         return self._process(sched, result.tokens, now, snapshots)
 
-    def _let_copies_run(self) -> None:
+    def _let_copies_run(self, idle_until: float | None) -> None:
         """Nothing to run but copies in flight or held-back hot state: give them a moment.
 
         On any clock but the wall clock, copies that run on threads (real disk and host
         copies) are first given real time to finish, so that a virtual clock cannot race
-        past the pause's timers while real work is still in flight."""
+        past the pause's timers while real work is still in flight. Copies on virtual time
+        that say when they finish let the clock skip the idle steps before the first
+        completion, timer or ``idle_until`` (`kvpilot.engine.idle_skip`)."""
         if isinstance(self.clock, WallClock):
             if not self.offload.wait_for_copies(IDLE_STEP_S):
                 self.clock.sleep(IDLE_STEP_S)
-        else:
-            self.offload.wait_for_copies(REAL_COPY_WAIT_S)
+        elif self.offload.wait_for_copies(REAL_COPY_WAIT_S) or idle_until is None:
+            self.clock.sleep(IDLE_STEP_S)
+        elif not self._idle_skipper.skip(idle_until):
             self.clock.sleep(IDLE_STEP_S)
 
     def _process(
