@@ -257,10 +257,10 @@ class Engine:
         if isinstance(self.clock, WallClock):
             if not self.offload.wait_for_copies(IDLE_STEP_S):
                 self.clock.sleep(IDLE_STEP_S)
-        elif self.offload.wait_for_copies(REAL_COPY_WAIT_S) or idle_until is None:
-            self.clock.sleep(IDLE_STEP_S)
-        elif not self._idle_skipper.skip(idle_until):
-            self.clock.sleep(IDLE_STEP_S)
+        else:
+            threads = self.offload.wait_for_copies(REAL_COPY_WAIT_S)
+            if threads or idle_until is None or not self._idle_skipper.skip(idle_until):
+                self.clock.sleep(IDLE_STEP_S)
 
     def _process(
         self, sched: SchedulerOutput, sampled: dict[int, list[int]], now: float, snapshots: bool

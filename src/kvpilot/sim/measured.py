@@ -57,11 +57,13 @@ class StepClock:
 class MeasuredEngine(Engine):
     """The real engine, its `StepClock` running while it steps."""
 
-    def step(self, *, snapshots: bool = True) -> list[RequestOutput]:
+    def step(
+        self, *, snapshots: bool = True, idle_until: float | None = None
+    ) -> list[RequestOutput]:
         clock = self.clock
         assert isinstance(clock, StepClock)
         with clock.running():
-            return super().step(snapshots=snapshots)
+            return super().step(snapshots=snapshots, idle_until=idle_until)
 
 
 class TimedExecutor:
