@@ -24,6 +24,9 @@ Per policy: completed turns per second, recomputed prefill tokens, p50/p99 time 
 token on resume, GB·s held on device by idle trajectories, bytes moved per tier. The last
 line is one JSON object: "policies" (the CPU run), "sim" {"policies"}, and the goals.
 
+--log-pauses FILE writes every pause (run, policy, what it was told, what it chose, the wait it
+really had) as JSON lines, to compare policies pause by pause on the same waits.
+
 Usage: python benchmarks/bench_pause.py [--quick] [--emulate h100-pcie5] [--no-sim]
 Figures are wall-clock on this machine; CPU seconds are reported beside them.
 """
@@ -43,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from pause_cpu import Pools, calibrate, recompute, replay
 from pause_goals import goals, print_verdict
+from pause_log import PauseLog
 from pause_workload import describe_waits, load_sessions, working_set_tokens
 
 from kvpilot.emulate.target import EMULATION_TARGETS, emulation_target
@@ -94,7 +98,9 @@ def print_row(policy: str, r: dict[str, Any]) -> None:
     )
 
 
-def cpu_run(args: argparse.Namespace, policies: list[str]) -> dict[str, Any]:
+def cpu_run(
+    args: argparse.Namespace, policies: list[str], log: PauseLog | None = None
+) -> dict[str, Any]:
     n, max_tokens, max_turns = (6, 2048, 8) if args.quick else (12, 4096, 16)
     waits = WaitModel(args.time_factor, args.approval_probability, seed=args.seed)
     sessions = load_sessions(n, max_tokens, waits, TINY_VOCAB, max_turns)
@@ -125,7 +131,7 @@ def cpu_run(args: argparse.Namespace, policies: list[str]) -> dict[str, Any]:
         # policy always runs in the same stretch of someone else's load.
         order = policies[rep % len(policies) :] + policies[: rep % len(policies)]
         for policy in order:
-            r = replay("tiny", policy, sessions, pools, cal, args.ttl, expected)
+            r = replay("tiny", policy, sessions, pools, cal, args.ttl, expected, log, rep)
             reps[policy].append(r)
             print_row(f"{policy} #{rep + 1}", r)
     rows = {p: median_row(rs) for p, rs in reps.items()}
@@ -205,12 +211,18 @@ def main() -> None:
     parser.add_argument("--no-disk", action="store_true")
     parser.add_argument("--disk-dir", default=None, help="folder for the disk figures")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument(
+        "--log-pauses",
+        default=None,
+        help="write every pause's inputs, decision and real wait here (JSON lines)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     policies = args.policies.split(",")
     headline: dict[str, Any] = {}
+    log = PauseLog() if args.log_pauses else None
     if not args.no_cpu:
-        cpu = cpu_run(args, policies)
+        cpu = cpu_run(args, policies, log)
         headline["policies"] = {p: {k: r[k] for k in ROW_KEYS} for p, r in cpu["rows"].items()}
         headline["emulation"] = {k: v for k, v in cpu.items() if k != "rows"}
         headline["mismatches"] = sum(r["mismatches"] for r in cpu["rows"].values())
@@ -242,10 +254,12 @@ def main() -> None:
     if not args.no_sim:
         from pause_sim import sim_run
 
-        sim = sim_run(args, policies, print_header, print_row)
+        sim = sim_run(args, policies, print_header, print_row, log)
         headline["sim"] = sim
         headline.setdefault("goals", {})["sim"] = goals(sim["policies"])
         print_verdict("simulated node", headline["goals"]["sim"])
+    if log is not None:
+        log.write(Path(args.log_pauses))
     print(json.dumps(headline))
 
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pause_log import PauseLog
 from pause_workload import Turn, agent_rate, common_prefix, pct
 
 from kvpilot.emulate.disk import ThrottledDiskStore
@@ -167,10 +168,14 @@ def replay(
     cal: Calibration,
     ttl_s: float,
     expected: dict[tuple[int, int], list[int]],
+    log: PauseLog | None = None,
+    rep: int = 0,
 ) -> dict[str, Any]:
     told_truth = policy in TRUE_WAIT_POLICIES
     with tempfile.TemporaryDirectory(prefix=f"kvpilot-pause-{policy}-") as disk:
         engine = emulated_engine(model, policy, pools, disk, cal, ttl_s)
+        if log is not None:
+            log.attach(engine, {"run": "cpu", "rep": rep, "policy": policy})
         tally, links = PrefillTally(engine), emulated_links(engine)
         handles = [engine.open_session() for _ in sessions]
         nxt = [0] * len(sessions)

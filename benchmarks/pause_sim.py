@@ -19,6 +19,7 @@ import statistics
 from collections.abc import Callable
 from typing import Any
 
+from pause_log import PauseLog
 from pause_workload import (
     Turn,
     agent_rate,
@@ -114,8 +115,16 @@ class PauseReplayDriver:
         sim.after(turns[t].wait_s, functools.partial(self._send, i, t + 1))
 
 
-def run_policy(setup: SimSetup, sessions: list[list[Turn]], policy: str) -> dict[str, Any]:
+def run_policy(
+    setup: SimSetup,
+    sessions: list[list[Turn]],
+    policy: str,
+    log: PauseLog | None = None,
+    draw: int = 0,
+) -> dict[str, Any]:
     engine, _ = build_engine(setup, VOCAB, policy)
+    if log is not None:
+        log.attach(engine, {"run": "sim", "draw": draw, "policy": policy})
     sim = Simulator(engine, duration_s=setup.duration_s, sample_interval_s=setup.sample_interval_s)
     driver = PauseReplayDriver(sessions, policy in TRUE_WAIT_POLICIES)
     sim.run(driver)
@@ -155,6 +164,7 @@ def sim_run(
     policies: list[str],
     print_header: Callable[[], None],
     print_row: Callable[[str, dict[str, Any]], None],
+    log: PauseLog | None = None,
 ) -> dict[str, Any]:
     """Every policy on each workload draw (--sim-seeds: the approvals' draws), then the median
     per policy: one draw's ranking at these margins turns on single decisions."""
@@ -188,7 +198,7 @@ def sim_run(
         print_header()
         rows = {}
         for policy in policies:
-            rows[policy] = run_policy(setup, sessions, policy)
+            rows[policy] = run_policy(setup, sessions, policy, log, seed)
             print_row(policy, rows[policy])
         runs.append(rows)
         works.append(work)
