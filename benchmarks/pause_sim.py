@@ -16,6 +16,7 @@ import argparse
 import dataclasses
 import functools
 import statistics
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -127,7 +128,9 @@ def run_policy(
         log.attach(engine, {"run": "sim", "draw": draw, "policy": policy})
     sim = Simulator(engine, duration_s=setup.duration_s, sample_interval_s=setup.sample_interval_s)
     driver = PauseReplayDriver(sessions, policy in TRUE_WAIT_POLICIES)
+    cpu = time.process_time()
     sim.run(driver)
+    cpu = time.process_time() - cpu
     stats = engine.offload.stats
     return {
         "turns_per_s": round(agent_rate(sessions, driver.active_s), 4),
@@ -141,6 +144,7 @@ def run_policy(
         "rejected": driver.rejected,
         "makespan_s": round(sim.now, 2),
         "wall_s": round(sim.wall_s, 2),
+        "cpu_s": round(cpu, 2),
     }
 
 
