@@ -121,6 +121,31 @@ def test_no_host_room_and_no_disk_drops() -> None:
     assert "no host room and no disk tier" in d.reason
 
 
+def test_a_disk_left_out_as_not_negligible_is_named_in_the_reason() -> None:
+    # The engine's thresholds keep disk for waits its round trip is negligible next to: the
+    # reason must not say there is no disk tier when there is one.
+    inputs = with_(
+        kv_bytes=6.29e6,
+        num_tokens=1536,
+        expected_wait_s=2.5,
+        device_host_bw_bytes_s=6.29e6 / 0.0112,
+        host_disk_bw_bytes_s=6.29e6 / 0.5622,
+        prefill_tokens_per_s=1860.0,
+        host_free_bytes=2.1e6,
+        device_used_bytes=14.4e6,
+    )
+    d = decide_pause(inputs, dataclasses.replace(ENGINE_THRESHOLDS, defer_drop=False))
+    assert d.action is PauseAction.DROP
+    assert "no disk tier" not in d.reason
+    assert "disk round trip is not negligible next to the 2.50 s wait" in d.reason
+    assert (
+        decide_pause(
+            inputs, dataclasses.replace(ENGINE_THRESHOLDS, disk_only_when_negligible=False)
+        ).action
+        is PauseAction.OFFLOAD_DISK
+    )
+
+
 def test_one_nvme_drive_is_slower_than_recomputing_70b_on_8_gpus() -> None:
     d = decide_pause(with_(host_free_bytes=0.0))
     assert d.recompute_s < d.disk_reload_s

@@ -302,7 +302,12 @@ def decide_pause(
     if not math.isclose(t_star, way_out_rt, rel_tol=0.05):
         past += f" ({s(way_out_rt)} round trip)"
     if via is PauseAction.DROP:
-        if math.isinf(tier_reload):
+        if math.isinf(tier_reload) and disk_exists:
+            why = (
+                f"there is no host room, and the {s(2 * disk_reload_s)} disk round trip is not "
+                f"negligible next to the {s(wait)} wait"
+            )
+        elif math.isinf(tier_reload):
             why = "there is no host room and no disk tier"
         else:
             why = f"recomputing ({s(recompute_cost)}) is faster than reloading ({s(tier_reload)})"
