@@ -7,6 +7,7 @@ import dataclasses
 
 import pytest
 
+from kvpilot.engine.pause_book import PauseBook
 from kvpilot.engine.pause_pricing import demoted_to_host, pick_demotion, working_bytes
 from kvpilot.engine.tier_stats import PauseRecord, PauseState
 from kvpilot.policy.breakeven import PauseAction, PauseInputs, decide_pause
@@ -45,11 +46,10 @@ class Idle:
 
 
 def test_working_bytes_leave_out_the_cache_and_idle_state() -> None:
-    records = [
-        record("a", 300.0, 0.0, 10.0, PauseState.RETAINED),
-        record("b", 200.0, 0.0, 10.0, PauseState.PREFETCHED),
-        record("c", 900.0, 0.0, 10.0, PauseState.OFFLOADED),  # not on the device
-    ]
+    records = PauseBook()
+    records.file(record("a", 300.0, 0.0, 10.0, PauseState.RETAINED))
+    records.file(record("b", 200.0, 0.0, 10.0, PauseState.PREFETCHED))
+    records.file(record("c", 900.0, 0.0, 10.0, PauseState.OFFLOADED))  # not on the device
     # 2000 in use, 400 of it evictable cache, 500 held by idle sessions: 1100 working
     assert working_bytes(2000.0, 400.0, records) == 1100.0
     assert working_bytes(500.0, 400.0, records) == 0.0  # never below zero

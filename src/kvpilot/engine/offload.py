@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from kvpilot.engine import pause_pricing as pricing
 from kvpilot.engine.config import PauseConfig
 from kvpilot.engine.executor import TierTransport
+from kvpilot.engine.pause_book import PauseBook
 from kvpilot.engine.pause_timers import PauseTimers
 from kvpilot.engine.tier_mover import TierMover
 from kvpilot.engine.tier_stats import PauseRecord, PauseState, TierStats
@@ -76,7 +77,7 @@ class OffloadManager:
         self.mover = TierMover(kv, self.stats, clock, transport, disk)
         self.prefill = PrefillRateMeter()
         self.waits = WaitPredictor(config.default_tool_wait_s)
-        self.records: dict[str, PauseRecord] = {}
+        self.records = PauseBook()
         self.high_water: dict[int, int] = {}  # traj_id -> most tokens ever computed
         self.timers = PauseTimers()
         self._held_sample = (clock(), 0)
@@ -145,7 +146,7 @@ class OffloadManager:
             lease_until=now + lease,
             state=PauseState.RETAINED,
         )
-        self.records[session.session_id] = record
+        self.records.file(record)
         self.stats.decisions[str(decision.action)] += 1
         self._apply(session, record, nodes)
         if self.session_store is not None:
@@ -156,7 +157,7 @@ class OffloadManager:
     def pause_inputs(
         self, traj: Trajectory, nodes: list[RadixNode], wait: float, tool: str | None = None
     ) -> PauseInputs:
-        mover, bb, records = self.mover, self.block_bytes, self.records.values()
+        mover, bb, records = self.mover, self.block_bytes, self.records
         tokens = sum(len(n.tokens) for n in nodes) + traj.num_computed_tokens - traj.locked_tokens
         blocks = sum(n.num_blocks for n in nodes) + traj.num_private_blocks
         host = mover.host_pool if mover.has_host else None
@@ -171,11 +172,7 @@ class OffloadManager:
                 len(traj.tokens), DEFAULT_PREFILL_TOKENS_PER_S
             ),
             device_pressure=pricing.pressure_on(
-                self.pressure(),
-                self.records.values(),
-                self.now(),
-                float(blocks * self.block_bytes),
-                wait,
+                self.pressure(), records, self.now(), float(blocks * self.block_bytes), wait
             ),
             host_pressure=host_pressure,
             host_free_bytes=float(host_free),
@@ -196,11 +193,11 @@ class OffloadManager:
             return
         traj.release_kv(keep_in_cache=True)
         if action is PauseAction.CACHE:
-            record.state = PauseState.CACHED
+            self.records.change(record, PauseState.CACHED)
             return
         if action is PauseAction.DROP:
             self.kv.residency.drop_device_copies(nodes)
-            record.state = PauseState.DROPPED
+            self.records.change(record, PauseState.DROPPED)
             return
         if action is PauseAction.OFFLOAD_HOST:
             self.mover.swap_out(nodes)
@@ -213,7 +210,7 @@ class OffloadManager:
 
     def _offloaded(self, session: PausableSession, record: PauseRecord, reload_s: float) -> None:
         """Off the device and awaited: prefetched back ahead of its return (if that is ahead)."""
-        record.state = PauseState.OFFLOADED
+        self.records.change(record, PauseState.OFFLOADED)
         at = record.expected_return - 2 * reload_s - 0.005
         if self.prefetch_enabled and math.isfinite(reload_s) and at > self.now():
             record.prefetch_at = at
@@ -227,7 +224,7 @@ class OffloadManager:
             return
         if session.active_request is None:
             session.traj.release_kv(keep_in_cache=True)
-            record.state = PauseState.CACHED
+            self.records.change(record, PauseState.CACHED)
 
     def _prefetch(self, session: PausableSession) -> None:
         record = self.records.get(session.session_id)
@@ -235,13 +232,13 @@ class OffloadManager:
             return
         if session.active_request is not None:
             return
-        record.state = PauseState.LOADING
+        self.records.change(record, PauseState.LOADING)
         state = self.mover.ensure_resident(
             session.traj, prefetch=True, session_id=session.session_id
         )
         if state is Residency.READY:
             session.traj.reuse_prefix(record=False)
-            record.state = PauseState.PREFETCHED
+            self.records.change(record, PauseState.PREFETCHED)
 
     # -- resume ---------------------------------------------------------------------------
 
@@ -279,7 +276,7 @@ class OffloadManager:
 
     def on_resume(self, session: PausableSession) -> None:
         """A paused session's next turn arrived: learn the wait, score the prefetch."""
-        record = self.records.pop(session.session_id, None)
+        record = self.records.pop(session.session_id)
         self.timers.cancel(session.session_id)
         if record is None:
             return
@@ -332,7 +329,7 @@ class OffloadManager:
             job.traj.reuse_prefix(record=False)
             record = self.records.get(job.session_id or "")
             if job.prefetch and record is not None and record.state is PauseState.LOADING:
-                record.state = PauseState.PREFETCHED
+                self.records.change(record, PauseState.PREFETCHED)
         self.timers.fire_due(now)
 
     def reclaim(self, idle: Seq[PausableSession]) -> int:
@@ -349,11 +346,12 @@ class OffloadManager:
         record = self.records.get(victim.session_id)
         if record is not None:
             self.timers.cancel(victim.session_id)
-            record.state = PauseState.CACHED
+            self.records.change(record, PauseState.CACHED)
         if self.mover.has_host and nodes and self.mover.swap_out(nodes) is not None:
             self.mover.wait_moves()
             if record is not None:
-                record.decision = pricing.demoted_to_host(record.decision)
+                demoted = pricing.demoted_to_host(record.decision)
+                self.records.change(record, PauseState.CACHED, demoted)
                 record.expected_return = pricing.next_use(record, now)
                 self._offloaded(victim, record, record.decision.reload_s)
         self.stats.decisions["demoted"] += 1
@@ -375,7 +373,7 @@ class OffloadManager:
 
     def forget(self, session: PausableSession) -> None:
         self.timers.cancel(session.session_id)
-        self.records.pop(session.session_id, None)
+        self.records.pop(session.session_id)
         self.mover.forget(session.traj)
         self.high_water.pop(session.traj.traj_id, None)
         if self.session_store is not None:
@@ -395,6 +393,4 @@ class OffloadManager:
         require(not stale, f"pause records of sessions that are not open: {sorted(stale)[:5]}")
         orphans = self.timers.sessions() - set(self.records)
         require(not orphans, f"timers of sessions without a pause record: {sorted(orphans)[:5]}")
-        for sid, record in self.records.items():
-            require(record.session_id == sid, f"record of {record.session_id} filed as {sid}")
-            require(isinstance(record.state, PauseState), f"record {sid}: bad state")
+        self.records.check_invariants()

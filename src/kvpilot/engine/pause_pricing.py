@@ -1,14 +1,16 @@
 """What the pause rule is told in the engine: the pressure a state faces, when an idle
 session is next used, how much host room is really free, which idle state memory pressure
 demotes, the device blocks an idle session holds, and the fallback when a fixed policy asks
-for a tier the engine lacks. Pure functions over `PauseRecord`s and trajectories."""
+for a tier the engine lacks. Pure functions over `PauseRecord`s, the `PauseBook`'s running
+tallies of them, and trajectories."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, TypeVar
 
+from kvpilot.engine.pause_book import PauseBook
 from kvpilot.engine.tier_stats import PauseRecord, PauseState
 from kvpilot.memory import Tier, Trajectory
 from kvpilot.policy.breakeven import PauseAction, PauseDecision
@@ -35,61 +37,44 @@ def next_use(record: PauseRecord, now: float) -> float:
 
 
 def pressure_on(
-    pressure: float, records: Iterable[PauseRecord], now: float, kv_bytes: float, wait: float
+    pressure: float, book: PauseBook, now: float, kv_bytes: float, wait: float
 ) -> float:
     """The device pressure this pause's state faces: the engine's, times the share of
     retained idle state that is back sooner than it. When memory is needed, `reclaim`
     demotes whatever is back last first, so state that others would give way for is under
     no pressure itself; the one back last feels it all."""
     pressure = min(1.0, max(0.0, pressure))
-    back = now + wait
-    sooner = later = 0.0
-    for record in records:
-        if record.state is not PauseState.RETAINED:
-            continue
-        if next_use(record, now) > back:
-            later += record.inputs.kv_bytes
-        else:
-            sooner += record.inputs.kv_bytes
+    sooner = book.retained_back_by(now + wait, now)
+    later = book.bytes_in(PauseState.RETAINED) - sooner
     if later == 0.0:
         return pressure
     return pressure * (sooner + kv_bytes) / (sooner + later + kv_bytes)
 
 
-def working_bytes(used: float, evictable: float, records: Iterable[PauseRecord]) -> float:
+def working_bytes(used: float, evictable: float, book: PauseBook) -> float:
     """Device bytes of the work a recompute would stall: what is in use, less the prefix
     cache (evictable) and less the state idle sessions hold (they compute nothing)."""
-    idle = sum(
-        r.inputs.kv_bytes
-        for r in records
-        if r.state in (PauseState.RETAINED, PauseState.PREFETCHED)
-    )
+    idle = book.bytes_in(PauseState.RETAINED) + book.bytes_in(PauseState.PREFETCHED)
     return max(0.0, used - evictable - idle)
 
 
 def host_room(
-    free_or_evictable_bytes: float, capacity_bytes: float, records: Iterable[PauseRecord]
+    free_or_evictable_bytes: float, capacity_bytes: float, book: PauseBook
 ) -> tuple[float, float]:
     """(free bytes, pressure) of the host tier. Host room is what LRU may evict, less what
     paused sessions offloaded there and will want back: those bytes are held, not cache
     (`host.usage` counts both)."""
-    awaited = sum(
-        r.inputs.kv_bytes
-        for r in records
-        if r.action is PauseAction.OFFLOAD_HOST and r.state is PauseState.OFFLOADED
-    )
+    awaited = book.bytes_in(PauseState.OFFLOADED, PauseAction.OFFLOAD_HOST)
     free = max(0.0, free_or_evictable_bytes - awaited)
     return free, min(1.0, max(0.0, 1.0 - free / max(capacity_bytes, 1.0)))
 
 
-def host_room_of(
-    pool: Any, radix: Any, block_bytes: int, records: Iterable[PauseRecord]
-) -> tuple[float, float]:
+def host_room_of(pool: Any, radix: Any, block_bytes: int, book: PauseBook) -> tuple[float, float]:
     """`host_room` of a host block pool (None: no host tier, no room, full pressure)."""
     if pool is None:
         return 0.0, 1.0
     free = (pool.num_free + radix.evictable_blocks(Tier.HOST)) * block_bytes
-    return host_room(free, pool.num_blocks * block_bytes, records)
+    return host_room(free, pool.num_blocks * block_bytes, book)
 
 
 def feasible(decision: PauseDecision, host_bw: float, disk_bw: float) -> PauseDecision:

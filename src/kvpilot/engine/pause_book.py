@@ -1,0 +1,111 @@
+"""The pause records of open sessions, with running tallies of the bytes in each state.
+
+Every pause prices its state against all the others (`pause_pricing`): how much retained
+state is back sooner than it, how much host room paused sessions hold, how much device
+state idle sessions keep. Walking every record for each pause costs O(sessions) per pause;
+the book keeps those sums up to date as records are filed, change state and leave, so a
+pause reads them in O(1) (and the one figure that depends on the pause's own wait walks
+only the records paused within that wait).
+
+Records are filed in pause order, so ``paused_at`` never decreases from oldest to newest.
+Every change of a record's state or decision goes through the book (`change`), which is
+what keeps the tallies true; `check_invariants` recomputes them from the records.
+A record's ``kv_bytes`` are whole bytes (blocks x block bytes): the running sums stay exact
+(below 2**53) and equal a fresh walk bit for bit, whatever the order of the changes.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator, Mapping
+
+from kvpilot.engine.tier_stats import PauseRecord, PauseState
+from kvpilot.errors import require
+from kvpilot.policy.breakeven import PauseAction, PauseDecision
+
+
+class PauseBook(Mapping[str, PauseRecord]):
+    """Pause records by session id (a read-only mapping, oldest pause first)."""
+
+    def __init__(self) -> None:
+        self._records: dict[str, PauseRecord] = {}
+        self._bytes: Counter[tuple[PauseAction, PauseState]] = Counter()
+
+    # -- the mapping ----------------------------------------------------------------------
+
+    def __getitem__(self, session_id: str) -> PauseRecord:
+        return self._records[session_id]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._records)
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    # -- changes --------------------------------------------------------------------------
+
+    def file(self, record: PauseRecord) -> None:
+        """File a new pause (replacing the session's previous record, if any)."""
+        self.pop(record.session_id)
+        newest = next(reversed(self._records.values()), None)
+        require(
+            newest is None or record.paused_at >= newest.paused_at,
+            f"pause of {record.session_id} at {record.paused_at} filed after one at "
+            f"{newest.paused_at if newest else 0}: records must come in pause order",
+        )
+        self._records[record.session_id] = record
+        self._bytes[record.action, record.state] += record.inputs.kv_bytes
+
+    def pop(self, session_id: str) -> PauseRecord | None:
+        record = self._records.pop(session_id, None)
+        if record is not None:
+            self._bytes[record.action, record.state] -= record.inputs.kv_bytes
+        return record
+
+    def change(
+        self, record: PauseRecord, state: PauseState, decision: PauseDecision | None = None
+    ) -> None:
+        """Move a filed record to ``state`` (and to ``decision``, when one is given)."""
+        kv = record.inputs.kv_bytes
+        self._bytes[record.action, record.state] -= kv
+        record.state = state
+        if decision is not None:
+            record.decision = decision
+        self._bytes[record.action, record.state] += kv
+
+    # -- the tallies ----------------------------------------------------------------------
+
+    def bytes_in(self, state: PauseState, action: PauseAction | None = None) -> float:
+        """Bytes of the records in ``state`` (decided ``action``, when one is given)."""
+        if action is not None:
+            return self._bytes[action, state]
+        return sum(self._bytes[a, state] for a in PauseAction)
+
+    def retained_back_by(self, back: float, now: float) -> float:
+        """Bytes of retained state expected back by ``back`` (`pause_pricing.next_use` at
+        ``now`` no later than it). Newest first: ``next_use`` is at least ``now + (now -
+        paused_at)``, which only grows with age, so the walk stops at the first record
+        paused longer ago than that allows."""
+        sooner = 0.0
+        for record in reversed(self._records.values()):
+            if now + (now - record.paused_at) > back:
+                break
+            if record.state is PauseState.RETAINED and record.expected_return <= back:
+                sooner += record.inputs.kv_bytes
+        return sooner
+
+    def check_invariants(self) -> None:
+        """The tallies equal a walk of the records, which are filed in pause order."""
+        walked: Counter[tuple[PauseAction, PauseState]] = Counter()
+        last = -float("inf")
+        for sid, record in self._records.items():
+            require(record.session_id == sid, f"record of {record.session_id} filed as {sid}")
+            require(isinstance(record.state, PauseState), f"record {sid}: bad state")
+            require(record.paused_at >= last, f"record {sid} is out of pause order")
+            last = record.paused_at
+            walked[record.action, record.state] += record.inputs.kv_bytes
+        kept = {k: v for k, v in self._bytes.items() if v}
+        require(
+            kept == {k: v for k, v in walked.items() if v},
+            f"pause tallies {kept} do not match the records {dict(walked)}",
+        )
