@@ -30,6 +30,7 @@ class PauseBook(Mapping[str, PauseRecord]):
     def __init__(self) -> None:
         self._records: dict[str, PauseRecord] = {}
         self._bytes: Counter[tuple[PauseAction, PauseState]] = Counter()
+        self._state_bytes: Counter[PauseState] = Counter()
 
     # -- the mapping ----------------------------------------------------------------------
 
@@ -54,32 +55,33 @@ class PauseBook(Mapping[str, PauseRecord]):
             f"{newest.paused_at if newest else 0}: records must come in pause order",
         )
         self._records[record.session_id] = record
-        self._bytes[record.action, record.state] += record.inputs.kv_bytes
+        self._count(record, record.inputs.kv_bytes)
 
     def pop(self, session_id: str) -> PauseRecord | None:
         record = self._records.pop(session_id, None)
         if record is not None:
-            self._bytes[record.action, record.state] -= record.inputs.kv_bytes
+            self._count(record, -record.inputs.kv_bytes)
         return record
 
     def change(
         self, record: PauseRecord, state: PauseState, decision: PauseDecision | None = None
     ) -> None:
         """Move a filed record to ``state`` (and to ``decision``, when one is given)."""
-        kv = record.inputs.kv_bytes
-        self._bytes[record.action, record.state] -= kv
+        self._count(record, -record.inputs.kv_bytes)
         record.state = state
         if decision is not None:
             record.decision = decision
-        self._bytes[record.action, record.state] += kv
+        self._count(record, record.inputs.kv_bytes)
+
+    def _count(self, record: PauseRecord, kv_bytes: float) -> None:
+        self._bytes[record.action, record.state] += kv_bytes
+        self._state_bytes[record.state] += kv_bytes
 
     # -- the tallies ----------------------------------------------------------------------
 
     def bytes_in(self, state: PauseState, action: PauseAction | None = None) -> float:
         """Bytes of the records in ``state`` (decided ``action``, when one is given)."""
-        if action is not None:
-            return self._bytes[action, state]
-        return sum(self._bytes[a, state] for a in PauseAction)
+        return self._state_bytes[state] if action is None else self._bytes[action, state]
 
     def retained_back_by(self, back: float, now: float) -> float:
         """Bytes of retained state expected back by ``back`` (`pause_pricing.next_use` at
@@ -97,6 +99,7 @@ class PauseBook(Mapping[str, PauseRecord]):
     def check_invariants(self) -> None:
         """The tallies equal a walk of the records, which are filed in pause order."""
         walked: Counter[tuple[PauseAction, PauseState]] = Counter()
+        walked_states: Counter[PauseState] = Counter()
         last = -float("inf")
         for sid, record in self._records.items():
             require(record.session_id == sid, f"record of {record.session_id} filed as {sid}")
@@ -104,8 +107,10 @@ class PauseBook(Mapping[str, PauseRecord]):
             require(record.paused_at >= last, f"record {sid} is out of pause order")
             last = record.paused_at
             walked[record.action, record.state] += record.inputs.kv_bytes
-        kept = {k: v for k, v in self._bytes.items() if v}
-        require(
-            kept == {k: v for k, v in walked.items() if v},
-            f"pause tallies {kept} do not match the records {dict(walked)}",
-        )
+            walked_states[record.state] += record.inputs.kv_bytes
+        for tally, walk in ((self._bytes, walked), (self._state_bytes, walked_states)):
+            kept = {k: v for k, v in tally.items() if v}
+            require(
+                kept == {k: v for k, v in walk.items() if v},
+                f"pause tallies {kept} do not match the records {dict(walk)}",
+            )

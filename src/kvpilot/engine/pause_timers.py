@@ -50,8 +50,10 @@ class PauseTimers:
             timer.action()
 
     def next_at(self) -> float | None:
-        live = [t.at for t in self._heap if not t.cancelled]
-        return min(live) if live else None
+        heap = self._heap
+        while heap and heap[0].cancelled:  # cancelled timers leave the top as they reach it
+            heapq.heappop(heap)
+        return heap[0].at if heap else None
 
     def sessions(self) -> set[str]:
         """Sessions with a live (pending, not cancelled) timer."""
