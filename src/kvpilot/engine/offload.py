@@ -322,6 +322,12 @@ class OffloadManager:
                 self.stats.idle_gb_s += held * (now - when) / 1e9
                 held = sum([pricing.held_blocks(s.traj) for s in idle()]) * self.block_bytes
                 self._held_sample = (now, held)
+        if self.mover.busy():
+            self._finish_loads()
+        self.timers.fire_due(now)
+
+    def _finish_loads(self) -> None:
+        """Advance the transfers that are done; hold the prefixes that came back."""
         for job in self.mover.poll():
             if job.traj.closed:
                 continue
@@ -330,7 +336,6 @@ class OffloadManager:
             record = self.records.get(job.session_id or "")
             if job.prefetch and record is not None and record.state is PauseState.LOADING:
                 self.records.change(record, PauseState.PREFETCHED)
-        self.timers.fire_due(now)
 
     def reclaim(self, idle: Seq[PausableSession]) -> int:
         """Memory pressure: demote the idle trajectory back last (`pricing.pick_demotion`) to
