@@ -49,11 +49,11 @@ class PauseBook(Mapping[str, PauseRecord]):
         """File a new pause (replacing the session's previous record, if any)."""
         self.pop(record.session_id)
         newest = next(reversed(self._records.values()), None)
-        require(
-            newest is None or record.paused_at >= newest.paused_at,
-            f"pause of {record.session_id} at {record.paused_at} filed after one at "
-            f"{newest.paused_at if newest else 0}: records must come in pause order",
-        )
+        if newest is not None and record.paused_at < newest.paused_at:
+            raise AssertionError(
+                f"pause of {record.session_id} at {record.paused_at} filed after one at "
+                f"{newest.paused_at}: records must come in pause order"
+            )
         self._records[record.session_id] = record
         self._count(record, record.inputs.kv_bytes)
 
