@@ -16,7 +16,7 @@ A record's ``kv_bytes`` are whole bytes (blocks x block bytes): the running sums
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import defaultdict
 from collections.abc import Iterator, Mapping
 
 from kvpilot.engine.tier_stats import PauseRecord, PauseState
@@ -29,8 +29,8 @@ class PauseBook(Mapping[str, PauseRecord]):
 
     def __init__(self) -> None:
         self._records: dict[str, PauseRecord] = {}
-        self._bytes: Counter[tuple[PauseAction, PauseState]] = Counter()
-        self._state_bytes: Counter[PauseState] = Counter()
+        self._bytes: defaultdict[tuple[PauseAction, PauseState], float] = defaultdict(float)
+        self._state_bytes: defaultdict[PauseState, float] = defaultdict(float)
 
     # -- the mapping ----------------------------------------------------------------------
 
@@ -98,8 +98,8 @@ class PauseBook(Mapping[str, PauseRecord]):
 
     def check_invariants(self) -> None:
         """The tallies equal a walk of the records, which are filed in pause order."""
-        walked: Counter[tuple[PauseAction, PauseState]] = Counter()
-        walked_states: Counter[PauseState] = Counter()
+        walked: defaultdict[tuple[PauseAction, PauseState], float] = defaultdict(float)
+        walked_states: defaultdict[PauseState, float] = defaultdict(float)
         last = -float("inf")
         for sid, record in self._records.items():
             require(record.session_id == sid, f"record of {record.session_id} filed as {sid}")
