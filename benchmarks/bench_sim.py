@@ -69,6 +69,9 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
         "engine: offload manager (poll, held bytes)",
         (
             "offload.py",
+            "pause_book.py",
+            "pause_pricing.py",
+            "pause_timers.py",
             "tier_stats.py",
             "meters.py",
             "pause.py",
