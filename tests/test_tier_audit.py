@@ -81,3 +81,22 @@ def test_closing_a_paused_session_leaves_no_record_nor_timer() -> None:
     assert engine.offload.record_for(sid) is None
     assert sid not in engine.offload.timers.sessions()
     engine.check_invariants()
+
+
+def test_the_pause_tallies_hold_through_offload_prefetch_and_resume() -> None:
+    engine = tiered("offload-host")
+    sid = paused_session(engine, wait_s=5.0)
+    record = engine.offload.record_for(sid)
+    assert record is not None and record.prefetch_at is not None
+    engine.check_invariants()
+    states = [record.state]
+    engine.clock.advance_to(record.prefetch_at + 1e-6)
+    while engine.offload.busy() or record.state is not PauseState.PREFETCHED:
+        engine.step()
+        engine.check_invariants()  # every state change went through the pause book
+        states.append(record.state)
+        assert len(states) < 100, states
+    assert PauseState.PREFETCHED in states
+    engine.sessions[sid].generate([7, 8, 9], PARAMS)  # resumes: the record leaves the book
+    assert engine.offload.record_for(sid) is None
+    engine.check_invariants()
