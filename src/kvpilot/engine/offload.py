@@ -339,28 +339,55 @@ class OffloadManager:
 
     def reclaim(self, idle: Seq[PausableSession]) -> int:
         """Memory pressure: demote the idle trajectory back last (`pricing.pick_demotion`) to
-        host (the copy waited for), awaited there like an offload; or, with no host tier, to
-        the prefix cache, where eviction takes it."""
+        host (the copy waited for), awaited there like an offload; when the host has no room
+        for it, to disk if its round trip beats a recompute (`pricing.disk_demotion_reload_s`,
+        the write waited for); else to the prefix cache, where eviction takes it."""
         holders = [s for s in idle if s.traj.block_table and self.held_bytes(s.traj)]
         if not holders:
             return 0
         now = self.now()
         victim = pricing.pick_demotion(holders, self.records, now)
         nodes = self.exclusive_device_nodes(victim.traj)
+        disk_reload_s = self._disk_demotion(victim.traj, nodes)
         victim.traj.release_kv(keep_in_cache=True)
         record = self.records.get(victim.session_id)
         if record is not None:
             self.timers.cancel(victim.session_id)
             self.records.change(record, PauseState.CACHED)
-        if self.mover.has_host and nodes and self.mover.swap_out(nodes) is not None:
+        tier = "cache"
+        if disk_reload_s is not None and self.mover.write_disk(nodes) is not None:
+            self.mover.hint_disk(victim.traj)
+            tier = "disk"
+        elif self.mover.has_host and nodes and self.mover.swap_out(nodes) is not None:
+            tier = "host"
+        if tier != "cache":
             self.mover.wait_moves()
             if record is not None:
-                demoted = pricing.demoted_to_host(record.decision)
+                to_disk = disk_reload_s if tier == "disk" else None
+                demoted = pricing.demoted_to(record.decision, to_disk)
                 self.records.change(record, PauseState.CACHED, demoted)
                 record.expected_return = pricing.next_use(record, now)
-                self._offloaded(victim, record, record.decision.reload_s)
+                self._offloaded(victim, record, pricing.reload_of(record.decision))
         self.stats.decisions["demoted"] += 1
+        self.stats.demoted_to[tier] += 1
         return 1
+
+    def _disk_demotion(self, traj: Trajectory, nodes: list[RadixNode]) -> float | None:
+        """The disk reload time when reclaim should demote these nodes to disk: the host has
+        no room for them without evicting state awaited there, a disk tier exists and its
+        round trip beats recomputing them; else None."""
+        mover, bb = self.mover, self.block_bytes
+        if mover.disk is None or mover.transport is None or not nodes:
+            return None
+        kv_bytes = sum(n.num_blocks for n in nodes) * bb
+        host = mover.host_pool if mover.has_host else None
+        if pricing.host_room_of(host, self.radix, bb, self.records)[0] >= kv_bytes:
+            return None
+        rate = self.prefill.tokens_per_s(len(traj.tokens), DEFAULT_PREFILL_TOKENS_PER_S)
+        tokens = sum(len(n.tokens) for n in nodes)
+        return pricing.disk_demotion_reload_s(
+            kv_bytes, tokens, mover.device_link_bw(), mover.disk_bw(), rate
+        )
 
     def next_event_at(self) -> float | None:
         """When the next pause timer (lease end, prefetch) is due, if any."""

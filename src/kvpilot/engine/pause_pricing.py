@@ -127,3 +127,48 @@ def demoted_to_host(decision: PauseDecision) -> PauseDecision:
         f"{decision.reason[1:]})"
     )
     return dataclasses.replace(decision, action=PauseAction.OFFLOAD_HOST, reason=reason)
+
+
+def disk_demotion_reload_s(
+    kv_bytes: float, num_tokens: int, link_bw: float, disk_bw: float, prefill_tokens_per_s: float
+) -> float | None:
+    """The reload time from disk of a state memory pressure demotes when the host has no
+    room for it, or None when the disk is no way out: no disk tier, or its round trip
+    (written now, read back at the return, at min(link, disk) as in the rule) takes longer
+    than recomputing the state on its return."""
+    bw = min(link_bw, disk_bw)
+    if bw <= 0.0 or kv_bytes <= 0.0 or prefill_tokens_per_s <= 0.0:
+        return None
+    reload_s = kv_bytes / bw
+    return reload_s if 2 * reload_s < num_tokens / prefill_tokens_per_s else None
+
+
+def demoted_to_disk(decision: PauseDecision, reload_s: float) -> PauseDecision:
+    """A retained state memory pressure moved to disk (the host had no room): awaited there
+    like an offload to disk, prefetched back at its return."""
+    reason = (
+        f"Offload to disk (demoted under memory pressure, no host room, after: "
+        f"{decision.reason[:1].lower()}{decision.reason[1:]})"
+    )
+    return dataclasses.replace(
+        decision,
+        action=PauseAction.OFFLOAD_DISK,
+        reason=reason,
+        disk_reload_s=reload_s,
+        disk_round_trip_s=2 * reload_s,
+    )
+
+
+def reload_of(decision: PauseDecision) -> float:
+    """The time to bring back a state offloaded as ``decision`` says (host or disk)."""
+    if decision.action is PauseAction.OFFLOAD_DISK:
+        return decision.disk_reload_s
+    return decision.reload_s
+
+
+def demoted_to(decision: PauseDecision, disk_reload_s: float | None) -> PauseDecision:
+    """`demoted_to_disk` when reclaim wrote the state to disk (it has its reload time),
+    else `demoted_to_host`."""
+    if disk_reload_s is None:
+        return demoted_to_host(decision)
+    return demoted_to_disk(decision, disk_reload_s)

@@ -162,7 +162,7 @@ class TierMover:
         self.moves.append(move)
         return move
 
-    def write_disk(self, nodes: list[RadixNode]) -> None:
+    def write_disk(self, nodes: list[RadixNode]) -> Move | None:
         """Write the nodes' device blocks to disk; their device copies go when it is done."""
         assert self.transport is not None and self.disk is not None
         chosen: list[RadixNode] = []
@@ -182,6 +182,8 @@ class TierMover:
             read = self.transport.read_device(ids)
             move = Move(MoveKind.DISK, read, chosen, ids, keys=keys, stage=MoveStage.READ)
             self.moves.append(move)
+            return move
+        return None
 
     def _finish_move(self, move: Move) -> bool:
         """Advance a move whose transfer is done; True when it is complete."""

@@ -47,6 +47,7 @@ class MoveStage(enum.Enum):
 @dataclass(slots=True)
 class TierStats:
     decisions: Counter[str] = field(default_factory=Counter)
+    demoted_to: Counter[str] = field(default_factory=Counter)  # "host", "disk" or "cache"
     bytes_moved: dict[str, int] = field(default_factory=lambda: dict.fromkeys(DIRECTIONS, 0))
     prefetch_hits: int = 0
     prefetch_stalls: int = 0
@@ -69,6 +70,7 @@ class TierStats:
     def as_dict(self) -> dict[str, object]:
         return {
             "decisions": dict(self.decisions),
+            "demoted_to": dict(self.demoted_to),
             "bytes_moved": dict(self.bytes_moved),
             "prefetch_hits": self.prefetch_hits,
             "prefetch_stalls": self.prefetch_stalls,
