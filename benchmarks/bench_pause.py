@@ -89,6 +89,12 @@ def print_header() -> None:
 def print_row(policy: str, r: dict[str, Any]) -> None:
     moved = r["bytes_moved"]
     decisions = ", ".join(f"{k} {v}" for k, v in sorted(r.get("decisions", {}).items()))
+    if r.get("demoted_to"):  # where memory pressure sent idle state: host, disk or cache
+        decisions += (
+            " (demoted to "
+            + ", ".join(f"{k} {v}" for k, v in sorted(r["demoted_to"].items()))
+            + ")"
+        )
     print(
         f"{policy:<13}{r['turns_per_s']:>8.3f}{r['recomputed_tokens']:>11,}"
         f"{r['p50_resume_ttft_s'] * 1e3:>9.1f}ms{r['p99_resume_ttft_s'] * 1e3:>9.1f}ms"

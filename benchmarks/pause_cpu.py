@@ -244,6 +244,7 @@ def replay(
             "idle_gb_s": round(stats.idle_gb_s, 4),
             "bytes_moved": dict(stats.bytes_moved),
             "decisions": dict(stats.decisions),
+            "demoted_to": dict(stats.demoted_to),
             "prefill_tokens": engine.stats.prefill_tokens,
             "preemptions": engine.scheduler.num_preemptions,
             "hit_rate": round(engine.stats.hit_rate, 4),

@@ -62,6 +62,10 @@ class PauseLog:
             row = open_rows.pop(session.session_id, None)
             if row is not None:
                 row["actual_wait_s"] = round(offload.now() - row["at_s"], 4)
+                record = offload.records.get(session.session_id)
+                if record is not None:  # a demotion may have moved the state since the pause
+                    row["resumed_action"] = str(record.action)
+                    row["resumed_state"] = str(record.state)
             on_resume(session)
 
         offload.pause = logged_pause  # type: ignore[method-assign]

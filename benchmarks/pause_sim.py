@@ -140,6 +140,7 @@ def run_policy(
         "idle_gb_s": round(stats.idle_gb_s, 3),
         "bytes_moved": dict(stats.bytes_moved),
         "decisions": dict(stats.decisions),
+        "demoted_to": dict(stats.demoted_to),
         "turns": driver.turns,
         "rejected": driver.rejected,
         "makespan_s": round(sim.now, 2),

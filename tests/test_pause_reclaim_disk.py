@@ -8,6 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from test_pause_pricing import record
 
 from kvpilot.engine.pause_pricing import demoted_to, disk_demotion_reload_s, reload_of
 from kvpilot.engine.tier_stats import PauseState
@@ -23,7 +24,6 @@ from equivalence import (
     settle,
     tiered,
 )
-from test_pause_pricing import record
 
 OTHER = [(17 * i + 5) % 240 + 5 for i in range(150)]  # shares no block with FIRST
 
