@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 import math
+from array import array
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
     from kvpilot.memory import Trajectory
 
 PauseHint = tuple[float | None, str | None]  # (expected tool wait, tool) announced by a turn
+_NO_HITS = dict.fromkeys(Tier, 0)  # prefix hit tokens by tier, before admission
 
 
 class SeqStatus(enum.Enum):
@@ -81,7 +83,7 @@ class Request:
     aborted: bool = False
     resumed: bool = False  # a paused session's next turn
     pause_hint: PauseHint | None = None  # pause when the turn ends
-    cached_by_tier: dict[Tier, int] = field(default_factory=lambda: dict.fromkeys(Tier, 0))
+    cached_by_tier: dict[Tier, int] = field(default_factory=_NO_HITS.copy)
 
     def set_cached_by_tier(self, host_tokens: int, disk_tokens: int) -> None:
         """Split the prefix hit by the tier it came from (loads of host and disk blocks)."""
@@ -150,6 +152,15 @@ def encode_prompt(tokenizer: Any, prompt: str | Seq[int], *, add_special_tokens:
         if tokenizer is None:
             raise InvalidRequest("this engine has no tokenizer: send token ids")
         return list(tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
+    if isinstance(prompt, list):
+        # The common case, a list of ints, converted in C; anything else takes numpy's path.
+        try:
+            ids = array("q", prompt)
+        except (TypeError, OverflowError):
+            pass
+        else:
+            if not (prompt and all(type(t) is bool for t in prompt)):
+                return ids.tolist()
     try:
         arr = np.asarray(prompt)
     except (TypeError, ValueError) as exc:

@@ -15,6 +15,8 @@ class BlockPool:
 
     Invariant: a block is on the free list exactly when its refcount is 0. The free list is
     LIFO so a just-freed block (still warm in caches, still mapped) is reused first.
+    Refcounts are a plain list: nearly every call touches one to a few blocks, where a list
+    item costs a fraction of a numpy element (the simulator's hot path).
 
     ``on_free``, when set, is called with the blocks each release put back on the free list
     (the engine's hook that poisons freed KV when ``poison_freed_blocks`` is on).
@@ -28,7 +30,7 @@ class BlockPool:
         self.tier = tier
         self.num_blocks = num_blocks
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
-        self._refcounts = np.zeros(num_blocks, dtype=np.int32)
+        self._refcounts = [0] * num_blocks
         self.on_free: Callable[[list[int]], None] | None = None
 
     @property
@@ -58,10 +60,9 @@ class BlockPool:
         blocks = free[-n:]
         del free[-n:]
         blocks.reverse()
-        if n == 1:
-            self._refcounts[blocks[0]] = 1
-        else:
-            self._refcounts[blocks] = 1
+        refs = self._refcounts
+        for block in blocks:
+            refs[block] = 1
         return blocks
 
     def _in_use(self, block: int) -> int:
@@ -69,24 +70,20 @@ class BlockPool:
             raise ValueError(
                 f"{self.tier} pool: block {block} is out of range 0..{self.num_blocks}"
             )
-        count = int(self._refcounts[block])
+        count = self._refcounts[block]
         if count <= 0:
             raise ValueError(f"{self.tier} pool: block {block} is free; it must be allocated first")
         return count
 
     def incref(self, block: int) -> None:
-        self._in_use(block)
-        self._refcounts[block] += 1
+        self._refcounts[block] = self._in_use(block) + 1
 
     def incref_many(self, blocks: Sequence[int]) -> None:
-        """incref each of ``blocks`` (distinct ids, all in use) in one vectorised step."""
-        if len(blocks) < 8:
-            for block in blocks:
-                self.incref(block)
-            return
-        idx = np.fromiter(blocks, dtype=np.intp, count=len(blocks))
-        self._check_all_in_use(idx, blocks)
-        self._refcounts[idx] += 1
+        """incref each of ``blocks`` (distinct ids, all in use); nothing changes if one is not."""
+        counts = [self._in_use(block) for block in blocks]
+        refs = self._refcounts
+        for block, count in zip(blocks, counts, strict=True):
+            refs[block] = count + 1
 
     def decref(self, block: int) -> bool:
         count = self._in_use(block) - 1
@@ -99,23 +96,19 @@ class BlockPool:
         return False
 
     def decref_many(self, blocks: Sequence[int]) -> int:
-        """decref each of ``blocks`` (distinct ids, all in use); returns how many became free."""
-        if len(blocks) < 8:
-            return sum(self.decref(block) for block in blocks)
-        idx = np.fromiter(blocks, dtype=np.intp, count=len(blocks))
-        self._check_all_in_use(idx, blocks)
+        """decref each of ``blocks`` (distinct ids, all in use; nothing changes if one is not);
+        returns how many became free."""
+        counts = [self._in_use(block) for block in blocks]
         refs = self._refcounts
-        refs[idx] -= 1
-        freed = idx[refs[idx] == 0].tolist()
+        freed = []
+        for block, count in zip(blocks, counts, strict=True):
+            refs[block] = count - 1
+            if count == 1:
+                freed.append(block)
         self._free.extend(freed)
         if freed and self.on_free is not None:
             self.on_free(freed)
         return len(freed)
-
-    def _check_all_in_use(self, idx: np.ndarray, blocks: Sequence[int]) -> None:
-        if idx.min() < 0 or idx.max() >= self.num_blocks or (self._refcounts[idx] <= 0).any():
-            bad = next(b for b in blocks if not 0 <= b < self.num_blocks or self.refcount(b) <= 0)
-            self._in_use(bad)
 
     def free(self, blocks: Iterable[int]) -> None:
         for block in blocks:
@@ -126,17 +119,15 @@ class BlockPool:
             raise ValueError(
                 f"{self.tier} pool: block {block} is out of range 0..{self.num_blocks}"
             )
-        return int(self._refcounts[block])
+        return self._refcounts[block]
 
     def refcounts(self) -> np.ndarray:
-        """A read-only view of every block's refcount (for invariant checks and telemetry)."""
-        view = self._refcounts.view()
-        view.flags.writeable = False
-        return view
+        """A copy of every block's refcount (for invariant checks and telemetry)."""
+        return np.array(self._refcounts, dtype=np.int32)
 
     def check_invariants(self) -> None:
         free = self._free
-        refs = self._refcounts
+        refs = self.refcounts()
         if len(set(free)) != len(free):
             raise AssertionError(f"{self.tier} pool: a block is on the free list twice")
         if free and not (min(free) >= 0 and max(free) < self.num_blocks):

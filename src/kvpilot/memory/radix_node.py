@@ -4,7 +4,7 @@ int32 token arrays its edges hold."""
 from __future__ import annotations
 
 from array import array
-from collections.abc import Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -15,7 +15,7 @@ from kvpilot.memory.hashing import HASH_BYTES, chain_bytes, int32_bytes
 from kvpilot.memory.tiers import Tier
 
 
-def as_token_array(tokens: Sequence[int]) -> array:
+def as_token_array(tokens: Iterable[int]) -> array:
     """Tokens as ``array('i')`` (no copy if they already are one)."""
     if isinstance(tokens, array) and tokens.typecode == "i":
         return tokens

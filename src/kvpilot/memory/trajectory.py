@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -149,7 +149,7 @@ class Trajectory:
 
     def append_tokens(self, tokens: Iterable[int]) -> None:
         self._require_open()
-        new = as_token_array(tokens if isinstance(tokens, Sequence) else list(tokens))
+        new = as_token_array(tokens)
         self._sync()
         self._buf.extend(new)
         self.tokens.extend(new)
