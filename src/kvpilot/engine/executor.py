@@ -15,9 +15,9 @@ from kvpilot.engine.sampling import SamplingParams
 from kvpilot.memory.hashing import ModelFingerprint
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class SeqWork:
-    """One sequence's share of a step.
+    """One sequence's share of a step (read-only for executors).
 
     ``token_ids`` are the tokens whose KV this step computes, at positions
     ``start_pos .. start_pos + len(token_ids) - 1``; ``start_pos`` tokens of KV are already
@@ -34,6 +34,10 @@ class SeqWork:
     ``window_table`` (hybrid models whose executor keeps a window group, `WindowExecutor`)
     lists the window group's blocks, parallel to ``block_table``: the sliding-window layers
     read and write those; entries wholly outside the window are the null block 0.
+
+    NOTE: not ``frozen``: one is built per running sequence per step, and a frozen
+    dataclass's ``__init__`` costs several times a plain one's (``object.__setattr__`` per
+    field). Executors treat it as immutable (`dataclasses.replace` for a variant).
     """
 
     seq_id: int

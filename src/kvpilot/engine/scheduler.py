@@ -61,8 +61,11 @@ class AdmissionHooks:
     window_room: Callable[[Sequence, list[Sequence]], bool] | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ScheduledSeq:
+    """A running sequence's share of this step (not frozen: one per sequence per step, see
+    `SeqWork`)."""
+
     seq: Sequence
     num_tokens: int
     sample: bool

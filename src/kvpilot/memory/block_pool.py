@@ -75,12 +75,21 @@ class BlockPool:
             raise ValueError(f"{self.tier} pool: block {block} is free; it must be allocated first")
         return count
 
+    def _counts_in_use(self, blocks: Sequence[int]) -> list[int]:
+        """The refcounts of ``blocks``; ValueError (naming the first) unless all are in use."""
+        if blocks and min(blocks) >= 0 and max(blocks) < self.num_blocks:
+            refs = self._refcounts
+            counts = [refs[block] for block in blocks]
+            if min(counts) > 0:
+                return counts
+        return [self._in_use(block) for block in blocks]
+
     def incref(self, block: int) -> None:
         self._refcounts[block] = self._in_use(block) + 1
 
     def incref_many(self, blocks: Sequence[int]) -> None:
         """incref each of ``blocks`` (distinct ids, all in use); nothing changes if one is not."""
-        counts = [self._in_use(block) for block in blocks]
+        counts = self._counts_in_use(blocks)
         refs = self._refcounts
         for block, count in zip(blocks, counts, strict=True):
             refs[block] = count + 1
@@ -98,7 +107,7 @@ class BlockPool:
     def decref_many(self, blocks: Sequence[int]) -> int:
         """decref each of ``blocks`` (distinct ids, all in use; nothing changes if one is not);
         returns how many became free."""
-        counts = [self._in_use(block) for block in blocks]
+        counts = self._counts_in_use(blocks)
         refs = self._refcounts
         freed = []
         for block, count in zip(blocks, counts, strict=True):
