@@ -75,24 +75,22 @@ class BlockPool:
             raise ValueError(f"{self.tier} pool: block {block} is free; it must be allocated first")
         return count
 
-    def _counts_in_use(self, blocks: Sequence[int]) -> list[int]:
-        """The refcounts of ``blocks``; ValueError (naming the first) unless all are in use."""
-        if blocks and min(blocks) >= 0 and max(blocks) < self.num_blocks:
-            refs = self._refcounts
-            counts = [refs[block] for block in blocks]
-            if min(counts) > 0:
-                return counts
-        return [self._in_use(block) for block in blocks]
+    def _check_in_use(self, blocks: Sequence[int]) -> None:
+        """ValueError, naming the first offender, unless every one of ``blocks`` is in use."""
+        refs, n = self._refcounts, self.num_blocks
+        for block in blocks:
+            if not 0 <= block < n or refs[block] <= 0:
+                self._in_use(block)
 
     def incref(self, block: int) -> None:
         self._refcounts[block] = self._in_use(block) + 1
 
     def incref_many(self, blocks: Sequence[int]) -> None:
         """incref each of ``blocks`` (distinct ids, all in use); nothing changes if one is not."""
-        counts = self._counts_in_use(blocks)
+        self._check_in_use(blocks)
         refs = self._refcounts
-        for block, count in zip(blocks, counts, strict=True):
-            refs[block] = count + 1
+        for block in blocks:
+            refs[block] += 1
 
     def decref(self, block: int) -> bool:
         count = self._in_use(block) - 1
@@ -107,12 +105,12 @@ class BlockPool:
     def decref_many(self, blocks: Sequence[int]) -> int:
         """decref each of ``blocks`` (distinct ids, all in use; nothing changes if one is not);
         returns how many became free."""
-        counts = self._counts_in_use(blocks)
+        self._check_in_use(blocks)
         refs = self._refcounts
         freed = []
-        for block, count in zip(blocks, counts, strict=True):
-            refs[block] = count - 1
-            if count == 1:
+        for block in blocks:
+            refs[block] -= 1
+            if not refs[block]:
                 freed.append(block)
         self._free.extend(freed)
         if freed and self.on_free is not None:
