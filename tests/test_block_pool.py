@@ -147,3 +147,19 @@ def test_decref_many_returns_blocks_that_became_free() -> None:
         pool.decref_many(blocks)
     assert all(pool.refcount(b) == 1 for b in blocks[:5])
     pool.check_invariants()
+
+
+def test_decref_many_rejects_a_free_or_out_of_range_block_without_side_effect() -> None:
+    pool = BlockPool(16)
+    blocks = pool.allocate(10)
+    pool.incref_many(blocks[:4])
+    free_block = pool.allocate(1)[0]
+    pool.decref(free_block)
+    for bad in (free_block, -1, 16):
+        with pytest.raises(ValueError):
+            pool.decref_many([*blocks[:4], bad, *blocks[4:]])
+        with pytest.raises(ValueError):
+            pool.incref_many([*blocks[:4], bad])
+        assert [pool.refcount(b) for b in blocks] == [2] * 4 + [1] * 6
+        assert pool.num_free == 6
+    pool.check_invariants()
