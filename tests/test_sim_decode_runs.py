@@ -211,3 +211,70 @@ def test_a_run_stops_before_the_next_event_and_before_a_sequence_finishes() -> N
     seq = engine.scheduler.running[1]
     assert len(seq.output_token_ids) == 11 and k2 == 11 - 1 - k
     assert advance_decode_run(engine, until=1e9) == 0
+
+
+def two_session_turns(finished: list[Any] | None) -> tuple[Engine, list[Any]]:
+    """Two session turns (30 and 12 tokens to generate) prefilled; then decode runs, or single
+    steps when ``finished`` is None, until both are done. Returns the engine and the outputs
+    in the order they finished."""
+    from kvpilot.engine.sampling import SamplingParams
+
+    engine, _ = build_engine(setup_for(4000, 0.9, 512, True), 32000)
+    outputs: list[Any] = []
+    for prompt, max_tokens in (([5] * 40, 30), ([6] * 70, 12)):
+        session = engine.open_session()
+        session.submit(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    outputs += [o for o in engine.step(snapshots=False) if o.finished]
+    while engine.has_unfinished():
+        if finished is not None:
+            k = advance_decode_run(engine, until=1e9, finished=finished)
+            if k:
+                outputs += finished
+                finished.clear()
+                continue
+        outputs += [o for o in engine.step(snapshots=False) if o.finished]
+    engine.check_invariants()
+    return engine, outputs
+
+
+def test_a_run_may_end_with_the_step_that_finishes_session_turns() -> None:
+    stepped, by_step = two_session_turns(None)
+    jumped, by_run = two_session_turns([])
+    assert [o.request_id for o in by_run] == [o.request_id for o in by_step]
+    assert by_run == by_step  # same tokens, times, finish reasons
+    assert jumped.stats.steps == stepped.stats.steps
+    assert jumped.stats.itl_s == stepped.stats.itl_s
+    assert jumped.stats.generated_tokens == stepped.stats.generated_tokens
+    assert jumped.clock.now() == stepped.clock.now()
+
+
+def test_a_run_finishes_a_session_turn_in_its_last_step_only_when_asked() -> None:
+    from kvpilot.engine.sampling import SamplingParams
+
+    engine, _ = build_engine(setup_for(4000, 0.9, 512, True), 32000)
+    session = engine.open_session()
+    rid = session.submit([5] * 40, SamplingParams(max_tokens=12, ignore_eos=True))
+    engine.step()
+    assert advance_decode_run(engine, until=1e9) == 10  # the 12th token is left to step()
+    finished: list[Any] = []
+    assert advance_decode_run(engine, until=1e9, finished=finished) == 0  # one step: no run
+    engine.step()
+    assert not engine.has_unfinished()
+    engine.pop_output(rid)
+
+    rid = session.submit([7] * 9, SamplingParams(max_tokens=12, ignore_eos=True))
+    engine.step()
+    assert advance_decode_run(engine, until=1e9, finished=finished) == 11
+    assert [o.request_id for o in finished] == [rid] and finished[0].finished
+    assert len(finished[0].token_ids) == 12 and not engine.has_unfinished()
+
+
+def test_a_run_leaves_finishing_a_request_without_session_to_step() -> None:
+    from kvpilot.engine.sampling import SamplingParams
+
+    engine, _ = build_engine(setup_for(4000, 0.9, 512, True), 32000)
+    engine.add_request([5] * 40, SamplingParams(max_tokens=12, ignore_eos=True))
+    engine.step()
+    finished: list[Any] = []
+    assert advance_decode_run(engine, until=1e9, finished=finished) == 10
+    assert not finished and engine.has_unfinished()

@@ -20,10 +20,15 @@ It returns 0 (and changes nothing) unless the next step is such a step:
 - the executor implements `DecodeRunExecutor` and the clock can `advance` (a simulation);
 - the model keeps no sliding-window pool (its window tables slide at every step).
 
-``k`` ends before the step that samples any sequence's last token (``max_tokens``, the
-model's length, a stop token: finishing is left to `Engine.step`), before the pool would
-run out of free and evictable blocks (preemption is left to `Engine.step`), and before the
-step that would start at or after ``until`` (the caller's next event).
+``k`` ends before the step that samples a stop token (finishing on one is left to
+`Engine.step`), before the pool would run out of free and evictable blocks (preemption is
+left to `Engine.step`), and before the step that would start at or after ``until`` (the
+caller's next event). The step that samples a sequence's last token (``max_tokens``, the
+model's length) ends the run too: it is left to `Engine.step` as well, unless the caller
+collects finished requests (``finished``) and every sequence finishing there is a session
+turn (finishing one only marks it done; closing a trajectory could change how later
+sequences of the same step commit). Then that step is the run's last, and it finishes
+those sequences and their requests exactly as `Engine.step` does.
 
     step:     0        1        2              k-1        k
     time:   s_0 ---> s_1 ---> s_2 --- ... ---> s_{k-1} ---> s_k      s_j < until for j < k
@@ -39,6 +44,8 @@ from kvpilot.memory.tiers import Tier
 
 if TYPE_CHECKING:
     from kvpilot.engine.engine import Engine
+    from kvpilot.engine.request import RequestOutput
+    from kvpilot.engine.request import Sequence as Seq
     from kvpilot.memory import Trajectory
 
 MAX_RUN_STEPS = 4096
@@ -83,10 +90,25 @@ def _extends_in_place(traj: Trajectory) -> bool:
     )
 
 
-def advance_decode_run(engine: Engine, until: float, max_steps: int = MAX_RUN_STEPS) -> int:
+def _session_turn(engine: Engine, seq: Seq) -> bool:
+    """Whether finishing ``seq`` leaves its trajectory open (a session's turn)."""
+    session_id = seq.request.session_id
+    session = engine.sessions.get(session_id) if session_id is not None else None
+    return session is not None and seq.traj is session.traj
+
+
+def advance_decode_run(
+    engine: Engine,
+    until: float,
+    max_steps: int = MAX_RUN_STEPS,
+    *,
+    finished: list[RequestOutput] | None = None,
+) -> int:
     """Advance ``engine`` by a uniform decode run ending before ``until`` (clock time);
     returns the steps advanced (0: the next step is not a uniform decode, or a run of fewer
-    than two steps would not pay)."""
+    than two steps would not pay). With ``finished``, the run may end with the step that
+    samples some session turns' last tokens; the requests it finishes are appended to it
+    (what `Engine.step` returns with ``snapshots=False``)."""
     executor = engine.executor
     times = getattr(executor, "decode_run_times", None)
     clock = engine.clock
@@ -119,12 +141,11 @@ def advance_decode_run(engine: Engine, until: float, max_steps: int = MAX_RUN_ST
         params = request.params
         if (params.stop and engine.tokenizer is not None) or (params.n > 1 and not request.forked):
             return 0
-        # The step sampling the last token (max_tokens, model length) is left to step().
-        k_max = min(
-            k_max,
-            params.max_tokens - len(seq.output_token_ids) - 1,
-            engine.max_model_len - tokens - 1,
-        )
+        # Steps up to and including the one sampling the last token (max_tokens, length);
+        # that one is left to step() unless the run may finish this sequence.
+        last = min(params.max_tokens - len(seq.output_token_ids), engine.max_model_len - tokens)
+        may_finish = finished is not None and _session_turn(engine, seq)
+        k_max = min(k_max, last if may_finish else last - 1)
         stop: Collection[int] = params.stop_token_ids
         if not params.ignore_eos and engine.eos_token_ids:
             stop = frozenset(stop) | engine.eos_token_ids
@@ -159,7 +180,7 @@ def advance_decode_run(engine: Engine, until: float, max_steps: int = MAX_RUN_ST
         sampled.append(tokens)
     if k < 2:
         return 0
-    _apply(engine, positions, firsts, durations[:k], starts[: k + 1], sampled)
+    _apply(engine, positions, firsts, durations[:k], starts[: k + 1], sampled, finished)
     return k
 
 
@@ -170,11 +191,21 @@ def _apply(
     durations: list[float],
     starts: list[float],
     sampled: list[list[int]],
+    finished: list[RequestOutput] | None,
 ) -> None:
-    """Replay ``len(durations)`` decode steps onto the engine, in step order where it matters."""
+    """Replay ``len(durations)`` decode steps onto the engine, in step order where it matters;
+    sequences whose last token the last step samples are finished as `Engine.step` would."""
     k = len(durations)
-    running = engine.scheduler.running
+    running = list(engine.scheduler.running)
     n = len(running)
+    limit = engine.max_model_len
+    ending = [
+        i
+        for i, seq in enumerate(running)
+        if len(seq.output_token_ids) + k >= seq.request.params.max_tokens
+        or positions[i] + 1 + k >= limit
+    ]
+    assert finished is not None or not ending, "a run finishes sequences only when asked"
     block = engine.kv.block_size
     clock, offload, stats = engine.clock, engine.offload, engine.stats
     commit = engine.config.scheduler.enable_prefix_caching
@@ -195,7 +226,7 @@ def _apply(
                 if first < last and not _extends_in_place(traj):
                     events.setdefault(first, []).append((True, i))
                 events.setdefault(max(first, last), []).append((True, i))
-        tokens = sampled[i][:k]
+        tokens = sampled[i][: k - 1] if i in ending else sampled[i][:k]
         seq.output_token_ids.extend(tokens)
         traj.append_tokens(tokens)
     idle = engine.sessions.idle  # what Engine.step polls with
@@ -230,7 +261,8 @@ def _apply(
     itl = stats.itl_s
     itl.extend([starts[1] - seq.last_token_time for seq in running])  # type: ignore[operator]
     for j in range(1, k):
-        itl.extend([starts[j + 1] - starts[j]] * n)
+        # The ending sequences' last tokens are counted by _append_token below.
+        itl.extend([starts[j + 1] - starts[j]] * (n if j < k - 1 else n - len(ending)))
     for i, seq in enumerate(running):
         traj = seq.traj
         traj.mark_computed(positions[i] + k - traj.num_computed_tokens)
@@ -238,7 +270,14 @@ def _apply(
         offload.observe_computed(traj)
     stats.steps += k
     stats.decode_tokens += n * k
-    stats.generated_tokens += n * k
+    stats.generated_tokens += n * k - len(ending)
     engine.executor.record_decode_run(  # type: ignore[attr-defined]
         [seq.seq_id for seq in running], positions, durations
     )
+    if not ending:
+        return
+    # The last step samples these sequences' last tokens: the engine finishes them.
+    for i in ending:
+        running[i].last_token_time = starts[k - 1]
+    assert finished is not None
+    finished += engine.end_decode_run([(running[i], sampled[i][k - 1]) for i in ending], end_time)

@@ -291,6 +291,18 @@ class Engine:
             return [done[rid] for rid in progressed if rid in done]
         return [self._snapshot(r) for r in progressed.values()]
 
+    def end_decode_run(self, last: list[tuple[Sequence, int]], now: float) -> list[RequestOutput]:
+        """A decode run's last step sampled these sequences' last tokens at ``now``: append
+        and finish them as `_process` does; returns the outputs of the requests it finished
+        (`kvpilot.engine.decode_run`)."""
+        requests = {seq.request.request_id: seq.request for seq, _ in last}
+        for seq, token in last:
+            self._append_token(seq, token, now)
+        for request in requests.values():
+            self._finish_request_if_done(request)
+        done = self._finished_outputs
+        return [done[rid] for rid in requests if rid in done]
+
     def _fan_out(self, parent: Sequence, tokens: list[int], now: float) -> None:
         """n > 1: the prompt was prefilled once; fork it so each branch decodes on its own."""
         children = fork_branches(

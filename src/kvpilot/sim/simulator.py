@@ -9,9 +9,10 @@ engine) it is slept. Every iteration:
 2. run one engine step if the engine has work, tier copies in flight, or a pause timer due
    (prefetch, lease expiry); hand finished requests back to the workload. When every
    running sequence is decoding and nothing else is due, a whole run of such steps is
-   advanced at once (`kvpilot.engine.decode_run`), up to the next event or sample: the
-   same result as stepping, for a fraction of the cost; likewise, when nothing runs but
-   copies in flight, the idle steps before the next completion (`kvpilot.engine.idle_skip`);
+   advanced at once (`kvpilot.engine.decode_run`), up to the next event or sample, or up
+   to the step that finishes turns (handed back as a step's would be): the same result as
+   stepping, for a fraction of the cost; likewise, when nothing runs but copies in flight,
+   the idle steps before the next completion (`kvpilot.engine.idle_skip`);
 3. when nothing could run (idle, or every waiting request blocked by admission), move to the
    next workload event or engine timer; with neither left, stop;
 4. sample telemetry every ``sample_interval_s``.
@@ -237,8 +238,12 @@ class Simulator:
                 run = timer is not None and timer - t0 <= now
             if run:
                 limit = min(events[0][0], end, next_sample) if events else min(end, next_sample)
-                if self.decode_runs and advance_decode_run(engine, t0 + limit):
-                    continue
+                if self.decode_runs:
+                    finished: list[RequestOutput] = []
+                    if advance_decode_run(engine, t0 + limit, finished=finished):
+                        for out in finished:
+                            self._complete(out)
+                        continue
                 steps = engine.stats.steps
                 outputs = step(t0 + limit if self.idle_skips else None)
                 for out in outputs:
