@@ -17,7 +17,7 @@ poisoned): mismatches must be 0.
 
 Simulated node (`pause_sim.py`): llama-3-70b on 8xH100 (the seed's deployment), the same
 sessions and waits, pools as fractions of the working set, all policies. Policies in
-`TRUE_WAIT_POLICIES` (oracle, infercept) are told each pause's true wait; every other one is
+`TRUE_WAIT_POLICIES` (oracle, infercept-oracle) are told each pause's true wait; every other one is
 told the tool only and predicts the wait.
 
 Per policy: completed turns per second, recomputed prefill tokens, p50/p99 time to first

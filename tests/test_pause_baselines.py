@@ -10,7 +10,14 @@ import math
 
 import pytest
 
-from kvpilot.policy.baselines import Continuum, InferCept, Oracle, continuum_ttl, infercept_waste
+from kvpilot.policy.baselines import (
+    Continuum,
+    InferCept,
+    Oracle,
+    continuum_ttl,
+    infercept_waste,
+    mean_tool_wait,
+)
 from kvpilot.policy.breakeven import PauseAction, PauseInputs, decide_pause
 from kvpilot.policy.pause import POLICY_NAMES, TRUE_WAIT_POLICIES, make_pause_policy
 
@@ -32,10 +39,11 @@ def inputs(wait_s: float, **kw: object) -> PauseInputs:
 
 
 def test_the_new_policies_are_available_by_name() -> None:
-    assert {"oracle", "infercept", "continuum"} <= set(POLICY_NAMES)
-    assert {"oracle", "infercept"} == TRUE_WAIT_POLICIES
+    assert {"oracle", "infercept", "continuum", "infercept-oracle"} <= set(POLICY_NAMES)
+    assert {"oracle", "infercept-oracle"} == TRUE_WAIT_POLICIES
     assert isinstance(make_pause_policy("oracle"), Oracle)
-    assert isinstance(make_pause_policy("infercept"), InferCept)
+    assert make_pause_policy("infercept") == InferCept()
+    assert make_pause_policy("infercept-oracle") == InferCept("infercept-oracle", true_wait=True)
     assert make_pause_policy("continuum", ttl_s=7.0) == Continuum(default_ttl_s=7.0)
 
 
@@ -74,6 +82,18 @@ def test_infercept_takes_the_least_waste(
     d = InferCept().decide(inputs(wait_s, **kw))
     assert d.action is action, d.reason
     assert d.reason.startswith(f"{action.label} 1.0 GB (InferCept")
+
+
+def test_infercept_estimates_the_wait_as_the_mean_of_the_tools_waits() -> None:
+    # hint 10 s, but pytest's waits so far average 0.1 s: 0.1 GB·s held < 0.2 GB·s swapped
+    i = inputs(10.0, tool="pytest", tool_waits=(0.05, 0.15, 0.1))
+    assert mean_tool_wait(i) == pytest.approx(0.1)
+    d = InferCept().decide(i)
+    assert d.action is PauseAction.RETAIN and "expected 100 ms wait" in d.reason, d.reason
+    # told the true wait, it takes it: 10 GB·s held > 0.2 GB·s swapped
+    assert InferCept(true_wait=True).decide(i).action is PauseAction.OFFLOAD_HOST
+    # no history yet: the engine's prediction (the hint)
+    assert mean_tool_wait(inputs(10.0)) == 10.0
 
 
 def test_infercept_ignores_device_pressure_where_the_rule_retains() -> None:

@@ -3,11 +3,13 @@
 - ``oracle``: the break-even rule on the pause's *true* wait. A replay that knows the future
   (`benchmarks/bench_pause.py`, the simulator's pause driver) gives it as the caller's hint;
   no predictor can do better with the rule, so it bounds what better wait prediction buys.
-- ``infercept``: InferCept's min-waste choice (Abhyankar et al., ICML 2024), given the true
-  wait too. Each way out wastes memory-time (GB·s): retaining holds M for the wait T;
-  dropping recomputes for ``recompute_s`` while every byte on the device waits for that
-  prefill; swapping holds M while it goes out and comes back. It takes the least waste,
-  whatever the pressure.
+- ``infercept``: InferCept's min-waste choice (Abhyankar et al., ICML 2024). Each way out
+  wastes memory-time (GB·s): retaining holds M for the wait T; dropping recomputes for
+  ``recompute_s`` while every byte on the device waits for that prefill; swapping holds M
+  while it goes out and comes back. It takes the least waste, whatever the pressure. Like
+  the paper, it estimates T from the profiled durations of the same kind of interception:
+  the mean of the tool's observed waits (the engine's own prediction before any is seen).
+  ``infercept-oracle`` is the same choice on the pause's true wait: a bound, like ``oracle``.
 - ``continuum``: Continuum's time-to-live pinning by tool (Li et al., 2025). A tool's recent
   waits give its wait distribution; the lease ``t`` maximises the expected recompute saved by
   a return within ``t`` minus the memory-time held until then. With no history it pins for
@@ -67,17 +69,31 @@ def infercept_waste(inputs: PauseInputs) -> dict[PauseAction, float]:
     return waste
 
 
+def mean_tool_wait(inputs: PauseInputs) -> float:
+    """InferCept's estimate of a pause's wait: the mean of the tool's observed waits, or the
+    engine's prediction while none has been seen."""
+    waits = [w for w in inputs.tool_waits if w >= 0 and math.isfinite(w)]
+    return sum(waits) / len(waits) if waits else inputs.expected_wait_s
+
+
 @dataclass(frozen=True, slots=True)
 class InferCept:
+    """InferCept's min-waste choice; ``true_wait``: on the caller's hint as the true wait
+    (``infercept-oracle``), else on its own estimate (`mean_tool_wait`)."""
+
     name: str = "infercept"
+    true_wait: bool = False
 
     def decide(self, inputs: PauseInputs) -> PauseDecision:
+        if not self.true_wait:
+            inputs = dataclasses.replace(inputs, expected_wait_s=mean_tool_wait(inputs))
         waste = infercept_waste(inputs)
         order = sorted(waste, key=lambda a: (waste[a], list(PauseAction).index(a)))
         action, runner_up = order[0], order[1]
         reason = (
             f"{action.label} {format_bytes(inputs.kv_bytes)} (InferCept: the least memory-time "
-            f"wasted over the {format_seconds(inputs.expected_wait_s)} wait, "
+            f"wasted over the {'true' if self.true_wait else 'expected'} "
+            f"{format_seconds(inputs.expected_wait_s)} wait, "
             f"{waste[action] / 1e9:.3g} GB·s against {waste[runner_up] / 1e9:.3g} GB·s for the "
             "next best way out)."
         )

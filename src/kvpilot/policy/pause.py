@@ -7,9 +7,11 @@
 - ``ttl``: keep it resident for a fixed time, then let it go (the Continuum-style baseline).
 - ``lru``: no pause awareness: unlock it and let the prefix cache's LRU eviction decide,
   which is what current engines do.
-- ``oracle``, ``infercept``, ``continuum``: the rule on the true wait, and two published
-  baselines (`kvpilot.policy.baselines`). The first two expect the true wait as the caller's
-  hint (``TRUE_WAIT_POLICIES``): replays that know it give it to them, and to no other.
+- ``oracle``, ``infercept``, ``continuum``, ``infercept-oracle``: the rule on the true wait,
+  two published baselines (`kvpilot.policy.baselines`) on their own wait estimates, and
+  InferCept on the true wait. ``oracle`` and ``infercept-oracle`` expect the true wait as the
+  caller's hint (``TRUE_WAIT_POLICIES``): replays that know it give it to them, and to no
+  other; they are bounds, not rivals.
 
 A policy sees the same measured `PauseInputs` as the rule and returns a `PauseDecision`, so
 every decision, whoever made it, carries its figures and a sentence saying why.
@@ -124,9 +126,10 @@ POLICY_NAMES = (
     "infercept",
     "continuum",
     "oracle",
+    "infercept-oracle",
 )
 # Policies that decide on the true wait: a replay that knows it passes it as the hint.
-TRUE_WAIT_POLICIES = frozenset({"oracle", "infercept"})
+TRUE_WAIT_POLICIES = frozenset({"oracle", "infercept-oracle"})
 # One line each, for people choosing a policy (`kvpilot serve`'s banner, `kvpilot top`).
 POLICY_SUMMARIES = {
     "breakeven": "retain, offload or drop each pause by the break-even rule on measured figures",
@@ -136,9 +139,10 @@ POLICY_SUMMARIES = {
     "offload-disk": "move every paused session's KV to disk",
     "ttl": "keep paused KV on the device for a fixed lease, then let the cache evict it",
     "lru": "no pause awareness: the prefix cache's LRU eviction decides (today's engines)",
-    "infercept": "InferCept: the way out that wastes least memory-time, on the true wait",
+    "infercept": "InferCept: the way out that wastes least memory-time, on each tool's mean wait",
     "continuum": "Continuum: pin for a time-to-live fitted to each tool's observed waits",
     "oracle": "the break-even rule on the true wait (a bound for any wait predictor)",
+    "infercept-oracle": "InferCept on the true wait (a bound, like oracle)",
 }
 
 
@@ -152,6 +156,8 @@ def make_pause_policy(name: str, *, ttl_s: float = 10.0) -> PausePolicy:
         return Oracle()
     if name == "infercept":
         return InferCept()
+    if name == "infercept-oracle":
+        return InferCept("infercept-oracle", true_wait=True)
     if name == "continuum":
         return Continuum(default_ttl_s=ttl_s)
     fixed = {
