@@ -32,7 +32,11 @@ from kvpilot.engine.executor import Transfer
 from kvpilot.memory.tiers import Tier
 
 if TYPE_CHECKING:
-    from kvpilot.engine.engine import Engine
+    from kvpilot.engine.clock import Clock
+    from kvpilot.engine.offload import OffloadManager
+    from kvpilot.engine.scheduler import Scheduler
+    from kvpilot.engine.stats import EngineStats
+    from kvpilot.memory import KVManager
 
 # The idle step's length: how long the engine waits before polling its copies again.
 IDLE_STEP_S = 0.0005
@@ -62,7 +66,18 @@ def next_completion(transfers: Iterable[Transfer]) -> float | None:
     return earliest
 
 
-def wake_at(engine: Engine, until: float) -> float | None:
+class IdleEngine(Protocol):
+    """What idle skipping reads of `kvpilot.engine.engine.Engine` (a protocol, so that this
+    module need not import the engine that imports it)."""
+
+    scheduler: Scheduler
+    offload: OffloadManager
+    kv: KVManager
+    clock: Clock
+    stats: EngineStats
+
+
+def wake_at(engine: IdleEngine, until: float) -> float | None:
     """The clock time of the first thing an idle engine must react to, or None when it
     cannot be known (see the module docstring)."""
     if engine.scheduler.held_back:
@@ -78,7 +93,7 @@ def wake_at(engine: Engine, until: float) -> float | None:
     return min(finish, engine.offload.next_poll_at(), until)
 
 
-def idle_state(engine: Engine) -> tuple[object, ...]:
+def idle_state(engine: IdleEngine) -> tuple[object, ...]:
     """What an idle step could change: the queues, the pool, the copies, pauses, counters."""
     sched, offload = engine.scheduler, engine.offload
     return (
@@ -99,7 +114,7 @@ def idle_state(engine: Engine) -> tuple[object, ...]:
 class IdleSkipper:
     """Skips an engine's idle steps on virtual time (see the module docstring)."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: IdleEngine) -> None:
         self.engine = engine
         # The clock time the next idle step starts at if nothing else moves the clock, and
         # the state this one left.
