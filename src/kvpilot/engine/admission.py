@@ -180,6 +180,7 @@ def admission_hooks(
     hooks = AdmissionHooks(
         reclaim_idle=sessions.reclaim_idle,
         ensure_resident=offload.ensure_resident,
+        copies_in_flight=offload.busy,
         on_admit=on_admit,
         preempt_cost=swap.cost_per_block,
         swap_out=swap.swap_out,

@@ -11,7 +11,9 @@ One step, in order (the spec's token-budget scheduling, eq. in "Token-budget sch
    hook the one cheapest to bring back per block it frees, else the most recently admitted.
    A victim is swapped to the host tier when the ``swap_out`` hook says so, else its
    committed prefix stays in the prefix cache and the rest is recomputed. Victims go back
-   to the *front* of the waiting queue, so no request starves.
+   to the *front* of the waiting queue, so no request starves. A sequence alone in the
+   pool that still cannot grow waits while tier copies in flight pin blocks (they come free
+   when the copies finish); with none in flight it is ended (``starved``).
 2. Waiting sequences, preempted ones first, then by the device-resident prefix they had on
    arrival, longest first (ties: first come first served), while KV usage (a hybrid model's
    fuller pool) is below ``tau_high``, blocks are available and the budget lasts; a
@@ -45,6 +47,9 @@ class AdmissionHooks:
     ``preempt_cost(seq)`` prices a victim: seconds to bring it back per block it frees.
     ``swap_out(seq)`` releases a victim's KV to the host tier when that beats recompute, and
     says whether it did (`kvpilot.engine.preemption.SwapPreemption`).
+    ``copies_in_flight()`` says whether tier copies pin blocks that will come free, so that
+    a sequence alone in the pool waits for them rather than ending short
+    (`kvpilot.engine.offload.OffloadManager.busy`).
     ``defer_admission(seq)`` holds a waiting sequence back this step, others are admitted
     past it (`kvpilot.engine.admission.HotStateGuard`). ``window_room(seq, running)`` says
     whether a hybrid model's window pool has room for ``seq`` beside the running sequences;
@@ -59,6 +64,7 @@ class AdmissionHooks:
     swap_out: Callable[[Sequence], bool] | None = None
     defer_admission: Callable[[Sequence], bool] | None = None
     window_room: Callable[[Sequence, list[Sequence]], bool] | None = None
+    copies_in_flight: Callable[[], bool] | None = None
 
 
 @dataclass(slots=True)
@@ -104,6 +110,7 @@ class Scheduler:
         self.swap_out = hooks.swap_out
         self.defer_admission = hooks.defer_admission
         self.window_room = hooks.window_room
+        self.copies_in_flight = hooks.copies_in_flight
         self.held_back: set[int] = set()  # seq_ids the last step held back from admission
         self.num_deferred_admissions = 0  # sequences ever held back
         # Device-resident prefix blocks of each waiting sequence when it arrived (`add`).
@@ -172,6 +179,8 @@ class Scheduler:
             n = self._chunk(seq, budget)
             if not self._try_allocate(seq, n):
                 if len(self.running) == 1:
+                    if self.copies_in_flight is not None and self.copies_in_flight():
+                        break  # blocks pinned by copies come free when they finish: wait
                     self.running.remove(seq)
                     starved.append(seq)
                     break
