@@ -33,12 +33,23 @@ from kvpilot.engine.pause_pricing import next_use
 from kvpilot.engine.preemption import SwapPreemption
 from kvpilot.engine.scheduler import AdmissionHooks
 from kvpilot.engine.tier_stats import PauseState
-from kvpilot.memory import KVManager, Tier
+from kvpilot.memory import KVManager, Trajectory
 from kvpilot.memory.window import WindowPool
 
 if TYPE_CHECKING:
     from kvpilot.engine.request import Sequence
     from kvpilot.engine.session import SessionTable
+
+
+def blocks_short(kv: KVManager, traj: Trajectory) -> int:
+    """Device blocks ``traj``'s whole prompt needs beyond the blocks it holds and what is free
+    or evictable now (at most 0 when it fits).
+
+    Its cached prefix does not change the figure, so no radix walk is needed: each cached
+    block beyond those it holds is one it need not allocate, but also one fewer block of
+    room, since it will lock its path; the two cancel."""
+    needed = -(-len(traj.tokens) // kv.block_size)
+    return needed - len(traj.block_table) - kv.free_blocks()
 
 
 class HotStateGuard:
@@ -65,7 +76,7 @@ class HotStateGuard:
         since = self.deferred_since.get(seq.seq_id)
         if since is not None and now - since >= self.max_defer_s:
             return False
-        shortfall = self._blocks_wanted(seq)
+        shortfall = blocks_short(self.kv, seq.traj)
         if shortfall <= 0 or not self._evicts_hot_state(shortfall, now):
             return False
         if since is None:
@@ -83,18 +94,6 @@ class HotStateGuard:
             for seq_id, since in list(self.deferred_since.items()):
                 if now - since > limit:
                     del self.deferred_since[seq_id]
-
-    def _blocks_wanted(self, seq: Sequence) -> int:
-        """Device blocks ``seq``'s whole prompt needs beyond what it can reuse and what is
-        free or evictable now (its own cached path, which it will lock, not counted)."""
-        traj = seq.traj
-        bs = self.kv.block_size
-        tokens = traj.token_array()
-        held = len(traj.block_table)
-        peek = self.kv.radix.peek(tokens[: max(len(tokens) - 1, 0)], traj.salt)
-        have = max(held, peek.blocks_by_tier.get(Tier.DEVICE, 0))
-        room = self.kv.free_blocks() - (have - held)  # its cached path is not room for it
-        return -(-len(tokens) // bs) - have - room
 
     def _evicts_hot_state(self, shortfall: int, now: float) -> bool:
         """Would making ``shortfall`` blocks of room demote state the pause rule retained
