@@ -386,3 +386,56 @@ def test_peek_counts_what_a_match_finds_without_touching_the_tree(
     assert peek.blocks_by_tier == expected
     assert peek.num_tokens == match.num_tokens
     assert radix.peek(query, "another salt").num_tokens == 0
+
+
+def tree_shape(radix: RadixCache) -> list[tuple[int, float, tuple[str, ...], int]]:
+    return sorted(
+        (n.depth_tokens, n.last_access, tuple(sorted(n.blocks)), len(n.children))
+        for n in radix.iter_nodes()
+    )
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.lists(st.integers(0, 2), min_size=2, max_size=16), min_size=1, max_size=6),
+    st.integers(0, 5),
+    st.lists(st.integers(0, 2), max_size=6),
+    st.integers(0, 20),
+    st.integers(0, 5),
+    st.sampled_from([Tier.DEVICE, None]),
+)
+def test_a_match_or_peek_below_a_known_node_is_the_one_from_the_root(
+    inserted: list[list[int]],
+    pick: int,
+    extra: list[int],
+    known: int,
+    host_every: int,
+    tier: Tier | None,
+) -> None:
+    """Given a node on the query's path (a trajectory's locked node), a match or a peek takes
+    that path without comparing tokens: same result, same access times, same splits."""
+    query = inserted[pick % len(inserted)] + extra
+    caches = []
+    for _ in range(2):
+        radix, device = make_cache(block_size=2, device=200, host=200)
+        for tokens in inserted:
+            full = tokens[: len(tokens) // 2 * 2]
+            radix.insert(full, device.allocate(len(full) // 2))
+        for i, node in enumerate(list(radix.iter_nodes())):
+            if not node.is_root and host_every and i % host_every == 0:
+                host = radix.pools[Tier.HOST].allocate(node.num_blocks)
+                radix.add_copy(node, Tier.HOST, host)
+                if i % 2:
+                    radix.drop_copy(node, Tier.DEVICE)
+        # The node a trajectory on this query would lock: the match of a prefix of it.
+        node = radix.match(query[:known], record=False, tier=None).node
+        caches.append((radix, node))
+    (fast, below), (slow, _) = caches
+    assert fast.peek(query, below=below) == slow.peek(query)
+    got = fast.match(query, record=False, tier=tier, below=below)
+    want = slow.match(query, record=False, tier=tier)
+    assert got.num_tokens == want.num_tokens
+    assert [n.depth_tokens for n in got.path] == [n.depth_tokens for n in want.path]
+    assert got.residency() == want.residency()
+    assert tree_shape(fast) == tree_shape(slow)
+    fast.check_invariants()

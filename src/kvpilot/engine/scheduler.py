@@ -131,7 +131,8 @@ class Scheduler:
             return
         traj = seq.traj
         tokens = traj.token_array()
-        peek = self.kv.radix.peek(tokens[: max(len(tokens) - 1, 0)], traj.salt)
+        query = tokens[: max(len(tokens) - 1, 0)]
+        peek = self.kv.radix.peek(query, traj.salt, below=traj.locked_node)
         resident = max(len(traj.block_table), peek.blocks_by_tier.get(Tier.DEVICE, 0))
         self.resident_at_add[seq.seq_id] = resident
         at = len(waiting)

@@ -95,16 +95,27 @@ class RadixCache(RadixEviction):
         *,
         record: bool = True,
         tier: Tier | None = Tier.DEVICE,
+        below: RadixNode | None = None,
     ) -> MatchResult:
+        """The longest cached block-aligned prefix of ``tokens`` whose every block has a copy in
+        ``tier`` (any tier if None), its nodes' access times refreshed (splitting the last one
+        where the prefix ends inside its edge).
+
+        ``below``: a node whose path is a prefix of ``tokens`` (a trajectory's locked node):
+        its path is taken without comparing tokens, with the same result."""
         arr = as_token_array(tokens)
         bs = self.block_size
         node = self.root(salt)
         query = arr.tobytes()
         end = len(arr) // bs * bs * 4
         step = 4 * bs
-        path: list[RadixNode] = []
         now = self._clock()
-        offset = 0
+        path = self._path_to(below, node, tier, end // 4) if below is not None else []
+        for known in path:
+            known.last_access = now
+        if path:
+            node = path[-1]
+        offset = node.depth_tokens * 4
         while offset < end:  # hot path
             child = node.children.get(query[offset : offset + step])
             if child is None or (tier is not None and tier not in child.blocks):
@@ -128,11 +139,32 @@ class RadixCache(RadixEviction):
             self.stats.hit_tokens += num_tokens
         return MatchResult(node, num_tokens, path)
 
-    def peek(self, tokens: Sequence[int], salt: str | None = None) -> PeekResult:
+    @staticmethod
+    def _path_to(
+        node: RadixNode, root: RadixNode, tier: Tier | None, max_tokens: int
+    ) -> list[RadixNode]:
+        """The nodes from ``root`` (excluded) down to ``node``, if a match of at least its
+        depth walks them all (each holds a copy in ``tier``); else none (the match walks)."""
+        if node.depth_tokens > max_tokens or not node._alive:
+            return []
+        path: list[RadixNode] = []
+        while node.parent is not None:
+            if tier is not None and tier not in node.blocks:
+                return []
+            path.append(node)
+            node = node.parent
+        if node is not root:
+            return []
+        path.reverse()
+        return path
+
+    def peek(
+        self, tokens: Sequence[int], salt: str | None = None, *, below: RadixNode | None = None
+    ) -> PeekResult:
         """Look without touching: the longest cached prefix of ``tokens`` in any tier, and per
         tier how many of its blocks have a copy there. Unlike `match` it refreshes no LRU
         time, splits no node and counts toward no statistics, so looking (e.g. to report a
-        session's residency) never changes what gets evicted."""
+        session's residency) never changes what gets evicted. ``below``: as for `match`."""
         counts = dict.fromkeys(Tier, 0)
         node = self._roots.get(salt)
         if node is None:
@@ -142,7 +174,12 @@ class RadixCache(RadixEviction):
         query = arr.tobytes()
         end = len(arr) // bs * bs * 4
         step = 4 * bs
-        offset = 0
+        if below is not None:
+            for known in self._path_to(below, node, None, end // 4):
+                for tier in known.blocks:
+                    counts[tier] += known.num_blocks
+                node = known
+        offset = node.depth_tokens * 4
         while offset < end:
             child = node.children.get(query[offset : offset + step])
             if child is None:

@@ -123,6 +123,18 @@ class RadixNode:
             node = node.parent
         return [b for blocks in reversed(chain) for b in blocks]
 
+    def path_tokens(self) -> array:
+        """The tokens from the root to the end of this node."""
+        chain: list[array] = []
+        node: RadixNode | None = self
+        while node is not None and not node.is_root:
+            chain.append(node.tokens)
+            node = node.parent
+        out = array("i")
+        for tokens in reversed(chain):
+            out.extend(tokens)
+        return out
+
     def __repr__(self) -> str:
         tiers = ",".join(self.blocks)
         return (

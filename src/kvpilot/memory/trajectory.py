@@ -147,12 +147,14 @@ class Trajectory:
         self._buf.append(token)
         self.tokens.append(token)
 
-    def append_tokens(self, tokens: Iterable[int]) -> None:
+    def append_tokens(self, tokens: Iterable[int], ids: array | None = None) -> None:
+        """Append ``tokens``; ``ids``: the same tokens already converted to int32, with
+        ``tokens`` a list of plain ints (a checked prompt): neither is converted again."""
         self._require_open()
-        new = as_token_array(tokens)
+        new = as_token_array(tokens) if ids is None else ids
         self._sync()
         self._buf.extend(new)
-        self.tokens.extend(new)
+        self.tokens.extend(new if ids is None else tokens)
 
     def reuse_prefix(self, *, record: bool = True) -> int:
         """Adopt the longest cached prefix; returns num_computed_tokens (the cached tokens).
@@ -163,7 +165,7 @@ class Trajectory:
         self._sync()
         n = len(self.tokens)
         end = max(n - 1, 0) if self.reuse_limit is None else min(max(n - 1, 0), self.reuse_limit)
-        match = self._radix.match(self._buf[:end], self.salt, record=False)
+        match = self._radix.match(self._buf[:end], self.salt, record=False, below=self.locked_node)
         window = self.window
         computed = self.num_computed_tokens
         if window is not None and match.num_tokens > computed:
@@ -379,6 +381,10 @@ class Trajectory:
         while top.parent is not None:
             top = top.parent
         require(top is self._radix.root(self.salt), f"trajectory {tid} locks another salt's path")
+        require(
+            array("i", self.tokens[: node.depth_tokens]) == node.path_tokens(),
+            f"trajectory {tid}: its locked path holds other tokens than its own",
+        )
         computed = self.num_computed_tokens
         require(computed <= len(self.tokens), f"trajectory {tid}: computed beyond its tokens")
         require(computed <= len(self.block_table) * bs, f"trajectory {tid}: KV not covered")
