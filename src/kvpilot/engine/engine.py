@@ -177,7 +177,7 @@ class Engine:
             salt = session.salt
         history = len(session.traj.tokens) if session is not None else 0
         tokens = self.encode(prompt, add_special_tokens=history == 0)
-        self.limits.check_prompt(tokens, history)
+        ids = self.limits.check_prompt(tokens, history)  # int32, what the trajectory holds
         rid = request_id or f"req-{next(self._request_ids)}"
         if rid in self.requests:
             raise InvalidRequest(f"request id {rid!r} is already in use")
@@ -195,9 +195,10 @@ class Engine:
             pause_hint=hint,
         )
         if session is not None:
-            traj = self.sessions.begin_turn(session, request, tokens)
+            traj = self.sessions.begin_turn(session, request, tokens, ids)
         else:
-            traj = self.kv.open_trajectory(salt=salt, tokens=tokens)
+            traj = self.kv.open_trajectory(salt=salt)
+            traj.append_tokens(tokens, ids)
         seq = Sequence(next(self._seq_ids), request, traj, index=0, seed=seed)
         request.seqs.append(seq)
         self.requests[rid] = request

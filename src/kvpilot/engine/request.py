@@ -182,22 +182,34 @@ class RequestLimits:
     kv_blocks: int
     block_size: int
 
-    def check_prompt(self, tokens: list[int], history: int = 0) -> None:
-        """InvalidRequest (PromptTooLong) unless ``tokens`` may follow ``history`` tokens."""
+    def check_prompt(self, tokens: list[int], history: int = 0) -> array:
+        """``tokens`` as the int32 ids a trajectory holds; InvalidRequest (PromptTooLong)
+        unless they are in the vocabulary and may follow ``history`` tokens."""
         if not tokens:
             raise InvalidRequest("the prompt is empty")
-        self.validate_tokens(tokens)
+        ids = self.validate_tokens(tokens)
         self.check_fits(history + len(tokens), history)
+        return ids
 
-    def validate_tokens(self, tokens: list[int]) -> None:
-        """InvalidRequest unless every token id is in the model's vocabulary."""
+    def validate_tokens(self, tokens: list[int]) -> array:
+        """``tokens`` (not empty) as int32 ids, converted in one pass; InvalidRequest unless
+        every id is in the model's vocabulary (and, without one, in int32 range)."""
         limit = self.vocab_size
-        low, high = min(tokens), max(tokens)
-        if low < 0 or (limit is not None and high >= limit):
+        try:
+            ids = array("i", tokens)
+        except OverflowError:
+            fits = False
+        else:
+            view = np.frombuffer(ids, dtype=np.int32)
+            fits = bool(view.min() >= 0 and (limit is None or view.max() < limit))
+        if not fits:
             bad = [t for t in tokens if t < 0 or (limit is not None and t >= limit)]
+            if not bad:
+                raise InvalidRequest("token ids must be integers in int32 range")
             raise InvalidRequest(
                 f"token id(s) {bad[:5]} out of range [0, {limit}) for this model's vocabulary"
             )
+        return ids
 
     def check_fits(self, total: int, history: int = 0) -> None:
         """PromptTooLong unless a context of ``total`` tokens leaves room to generate."""

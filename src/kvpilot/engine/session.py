@@ -13,6 +13,7 @@ its id. Every session records when it was last used, for idle reclaim (and expir
 from __future__ import annotations
 
 import itertools
+from array import array
 from collections.abc import Callable, Iterator, Mapping
 from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING, Protocol
@@ -252,12 +253,15 @@ class SessionTable(Mapping[str, Session]):
         if params.n != 1:
             raise InvalidRequest("n > 1 is not allowed on a session turn: fork the session")
 
-    def begin_turn(self, session: Session, request: Request, tokens: list[int]) -> Trajectory:
-        """The turn's request is valid: resume a paused session, append the prompt."""
+    def begin_turn(
+        self, session: Session, request: Request, tokens: list[int], ids: array
+    ) -> Trajectory:
+        """The turn's request is valid: resume a paused session, append the prompt (``ids``:
+        the same tokens as int32, `RequestLimits.check_prompt`)."""
         if self.offload.record_for(session.session_id) is not None:
             request.resumed = True
             self.offload.on_resume(session)
-        session.traj.append_tokens(tokens)
+        session.traj.append_tokens(tokens, ids)
         session.active_request = request.request_id
         session.turns += 1
         return session.traj
