@@ -8,8 +8,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kvpilot.engine import Engine, SamplingParams
+from kvpilot.engine.clock import VirtualClock
 from kvpilot.engine.request import RequestLimits
 from kvpilot.errors import InvalidRequest, PromptTooLong
+
+from fake_executor import FakeExecutor
 
 INT32 = 2**31
 
@@ -52,3 +56,17 @@ def test_the_error_names_the_ids_out_of_the_vocabulary() -> None:
         limits.check_prompt([1, 500, -1, 2**32])
     with pytest.raises(InvalidRequest, match="the prompt is empty"):
         limits.check_prompt([])
+
+
+def test_an_id_outside_int32_leaves_a_paused_session_paused() -> None:
+    """Without a vocabulary, only int32 bounds the ids; a turn that breaks it is refused
+    before it resumes the session it was meant for."""
+    engine = Engine(FakeExecutor(64, 16), vocab_size=None, clock=VirtualClock())
+    session = engine.open_session()
+    session.generate([1, 2, 3], SamplingParams(max_tokens=2))
+    session.pause(expected_wait_s=5.0)
+    with pytest.raises(InvalidRequest, match="int32"):
+        session.submit([4, INT32], SamplingParams(max_tokens=2))
+    assert session.last_pause is not None and session.idle
+    assert len(session.traj.tokens) == 5
+    engine.check_invariants()
