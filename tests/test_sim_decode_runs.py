@@ -53,10 +53,12 @@ def workload(seed: int, agents: int, forks: float, wait: float, turns: int) -> W
 
 
 def simulate(
-    setup: SimSetup, wl: WorkloadConfig, policy: str, runs: bool
+    setup: SimSetup, wl: WorkloadConfig, policy: str, runs: bool, interval: float = 0.7
 ) -> tuple[Simulator, Engine]:
     engine, _ = build_engine(setup, wl.vocab_size, policy)
-    sim = Simulator(engine, duration_s=setup.duration_s, sample_interval_s=0.7, decode_runs=runs)
+    sim = Simulator(
+        engine, duration_s=setup.duration_s, sample_interval_s=interval, decode_runs=runs
+    )
     sim.run(AgentDriver(wl, engine.max_model_len))
     engine.check_invariants()
     return sim, engine
@@ -190,6 +192,40 @@ def test_decode_runs_replace_most_steps_under_a_decode_heavy_load() -> None:
     sim = Simulator(engine, duration_s=setup.duration_s)
     sim.run(AgentDriver(wl, engine.max_model_len))
     assert engine.stats.steps > 5 * calls  # most steps were advanced in runs
+
+
+@pytest.mark.parametrize("policy", ["breakeven", "offload-host"])
+def test_samples_taken_inside_runs_read_what_single_steps_show(policy: str) -> None:
+    # Every 50 ms: most samples fall inside runs (KV usage, ITLs, residency all move there).
+    setup = setup_for(600, 0.9, 512, True)
+    wl = workload(3, 12, 0.3, 1.5, 4)
+    stepped = state(*simulate(setup, wl, policy, runs=False, interval=0.05))
+    jumped = state(*simulate(setup, wl, policy, runs=True, interval=0.05))
+    assert len(jumped["samples"]["time_s"]) > 900  # about one per step
+    assert_same(stepped, jumped)
+
+
+def test_samples_do_not_cut_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvpilot.sim import simulator
+
+    runs = 0
+
+    def counted(*args: Any, **kwargs: Any) -> int:
+        nonlocal runs
+        k = advance_decode_run(*args, **kwargs)
+        runs += k > 0
+        return k
+
+    monkeypatch.setattr(simulator, "advance_decode_run", counted)
+    setup = setup_for(4000, 0.9, 512, True)
+    wl = workload(7, 16, 0.0, 1.5, 4)
+    counts = []
+    for interval in (1e6, 0.02):
+        runs = 0
+        sim, _ = simulate(setup, wl, "breakeven", runs=True, interval=interval)
+        counts.append(runs)
+    assert len(sim.samples.time_s) > 2000
+    assert counts[1] <= counts[0] * 1.01  # 3,000 samples, no more runs
 
 
 def test_a_run_stops_before_the_next_event_and_before_a_sequence_finishes() -> None:

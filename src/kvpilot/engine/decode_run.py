@@ -28,7 +28,9 @@ model's length) ends the run too: it is left to `Engine.step` as well, unless th
 collects finished requests (``finished``) and every sequence finishing there is a session
 turn (finishing one only marks it done; closing a trajectory could change how later
 sequences of the same step commit). Then that step is the run's last, and it finishes
-those sequences and their requests exactly as `Engine.step` does.
+those sequences and their requests exactly as `Engine.step` does. A caller that looks at
+the engine between steps (the simulator's telemetry samples) need not end runs for that: a
+`RunLookout` looks inside the run, where the engine's gauges are those stepping would show.
 
     step:     0        1        2              k-1        k
     time:   s_0 ---> s_1 ---> s_2 --- ... ---> s_{k-1} ---> s_k      s_j < until for j < k
@@ -38,7 +40,7 @@ those sequences and their requests exactly as `Engine.step` does.
 from __future__ import annotations
 
 from collections.abc import Collection, Iterator, Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from kvpilot.memory.tiers import Tier
 
@@ -68,6 +70,24 @@ class DecodeRunExecutor(Protocol):
         self, seq_ids: Sequence[int], positions: Sequence[int], durations: Sequence[float]
     ) -> None:
         """Count the steps as executed (the caller moves the clock)."""
+        ...
+
+
+class RunLookout(Protocol):
+    """Something that looks at the engine at step boundaries inside a run (the simulator's
+    telemetry samples), so that a run need not stop for it. At those boundaries the clock,
+    the block pools, the prefix cache's evictable blocks, the batch and the inter-token
+    latencies recorded (`EngineStats.itl_s`) are what stepping one by one would leave;
+    sequences' tokens and computed counts are not (they are updated in bulk)."""
+
+    def plan_looks(self, starts: Sequence[float]) -> tuple[list[int], int]:
+        """For a run whose step ``j`` starts at clock time ``starts[j]`` (the last entry: when
+        the run would end), the boundaries ``0 < j < steps`` to look at, increasing, and the
+        number of steps the run may take (fewer when the caller must act at a boundary)."""
+        ...
+
+    def look(self) -> None:
+        """Look at the engine at the next boundary planned (the clock shows its time)."""
         ...
 
 
@@ -103,12 +123,14 @@ def advance_decode_run(
     max_steps: int = MAX_RUN_STEPS,
     *,
     finished: list[RequestOutput] | None = None,
+    lookout: RunLookout | None = None,
 ) -> int:
     """Advance ``engine`` by a uniform decode run ending before ``until`` (clock time);
     returns the steps advanced (0: the next step is not a uniform decode, or a run of fewer
     than two steps would not pay). With ``finished``, the run may end with the step that
     samples some session turns' last tokens; the requests it finishes are appended to it
-    (what `Engine.step` returns with ``snapshots=False``)."""
+    (what `Engine.step` returns with ``snapshots=False``). With ``lookout``, it looks at the
+    engine inside the run where it asks to (`RunLookout`)."""
     executor = engine.executor
     times = getattr(executor, "decode_run_times", None)
     clock = engine.clock
@@ -178,23 +200,52 @@ def advance_decode_run(
         if stop_ids and any(tok in stop_ids for tok in tokens):
             k = min(k, next(j for j, tok in enumerate(tokens) if tok in stop_ids))
         sampled.append(tokens)
+    looks: list[int] = []
+    if lookout is not None and k >= 2:
+        looks, k = lookout.plan_looks(starts[: k + 1])
     if k < 2:
         return 0
-    _apply(engine, positions, firsts, durations[:k], starts[: k + 1], sampled, finished)
+    run = _Run(positions, firsts, durations[:k], starts[: k + 1], sampled)
+    _apply(engine, run, finished, looks, lookout)
     return k
+
+
+class _Run(NamedTuple):
+    """A planned run: per sequence its start position and first block-boundary step, the
+    steps' durations and start times (``starts[k]``: the end), per sequence its tokens."""
+
+    positions: list[int]
+    firsts: list[int]
+    durations: list[float]
+    starts: list[float]
+    sampled: list[list[int]]
+
+
+def _record_itls(
+    itl: list[float], running: list[Seq], run: _Run, a: int, b: int, last: int
+) -> None:
+    """Record the inter-token latencies of the run's steps ``a .. b-1`` (``last``: how many
+    tokens its final step counts)."""
+    starts = run.starts
+    if a == 0 and b > 0:
+        itl.extend([starts[1] - seq.last_token_time for seq in running])  # type: ignore[operator]
+        a = 1
+    k, n = len(run.durations), len(running)
+    for j in range(a, b):
+        itl.extend([starts[j + 1] - starts[j]] * (n if j < k - 1 else last))
 
 
 def _apply(
     engine: Engine,
-    positions: list[int],
-    firsts: list[int],
-    durations: list[float],
-    starts: list[float],
-    sampled: list[list[int]],
+    run: _Run,
     finished: list[RequestOutput] | None,
+    looks: list[int],
+    lookout: RunLookout | None,
 ) -> None:
     """Replay ``len(durations)`` decode steps onto the engine, in step order where it matters;
-    sequences whose last token the last step samples are finished as `Engine.step` would."""
+    sequences whose last token the last step samples are finished as `Engine.step` would;
+    ``lookout`` looks at the engine at the boundaries ``looks``."""
+    positions, firsts, durations, starts, sampled = run
     k = len(durations)
     running = list(engine.scheduler.running)
     n = len(running)
@@ -235,7 +286,18 @@ def _apply(
     poll_at = offload.next_poll_at()
     poll_at -= 1e-9 * max(1.0, abs(poll_at))
     step_time = stats.step_time_s
+    itl = stats.itl_s
+    last_count = n - len(ending)  # the last step's tokens (ending sequences' are counted apart)
+    recorded = 0  # steps whose inter-token latencies are in itl
+    look_at = looks[0] if looks else k
     for j in range(k):  # as Engine.step: poll, schedule (allocate), execute, commit
+        if j == look_at:  # the state after j steps, before step j polls and allocates
+            assert lookout is not None
+            _record_itls(itl, running, run, recorded, j, last_count)
+            recorded = j
+            lookout.look()
+            looks = looks[1:]
+            look_at = looks[0] if looks else k
         if starts[j] >= poll_at:
             offload.poll(idle)
             poll_at = offload.next_poll_at()
@@ -258,11 +320,8 @@ def _apply(
                 traj.commit()
     stats.step_time_s = step_time
     end_time = starts[k]
-    itl = stats.itl_s
-    itl.extend([starts[1] - seq.last_token_time for seq in running])  # type: ignore[operator]
-    for j in range(1, k):
-        # The ending sequences' last tokens are counted by _append_token below.
-        itl.extend([starts[j + 1] - starts[j]] * (n if j < k - 1 else n - len(ending)))
+    # The ending sequences' last tokens are counted by end_decode_run below.
+    _record_itls(itl, running, run, recorded, k, last_count)
     for i, seq in enumerate(running):
         traj = seq.traj
         traj.mark_computed(positions[i] + k - traj.num_computed_tokens)

@@ -9,10 +9,12 @@ engine) it is slept. Every iteration:
 2. run one engine step if the engine has work, tier copies in flight, or a pause timer due
    (prefetch, lease expiry); hand finished requests back to the workload. When every
    running sequence is decoding and nothing else is due, a whole run of such steps is
-   advanced at once (`kvpilot.engine.decode_run`), up to the next event or sample, or up
-   to the step that finishes turns (handed back as a step's would be): the same result as
-   stepping, for a fraction of the cost; likewise, when nothing runs but copies in flight,
-   the idle steps before the next completion (`kvpilot.engine.idle_skip`);
+   advanced at once (`kvpilot.engine.decode_run`), up to the next event, or up to the step
+   that finishes turns (handed back as a step's would be): the same result as stepping, for
+   a fraction of the cost; samples due inside the run are taken there, at the boundaries
+   where stepping would take them, from the same state (`plan_looks`, `look`), so they do
+   not cut it. Likewise, when nothing runs but copies in flight, the idle steps before the
+   next completion or sample (`kvpilot.engine.idle_skip`);
 3. when nothing could run (idle, or every waiting request blocked by admission), move to the
    next workload event or engine timer; with neither left, stop;
 4. sample telemetry every ``sample_interval_s``.
@@ -31,6 +33,7 @@ import itertools
 import math
 import time
 from array import array
+from bisect import bisect_left
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -43,6 +46,7 @@ from kvpilot.engine.request import RequestOutput
 from kvpilot.engine.sampling import SamplingParams
 from kvpilot.engine.session import Session
 from kvpilot.errors import InvalidRequest
+from kvpilot.sim.collector import fewer_collections
 
 OnDone = Callable[[RequestOutput], None]
 
@@ -153,6 +157,7 @@ class Simulator:
         self._pending: dict[str, _Pending] = {}
         self._ttft_mark = 0
         self._event_time: float | None = None
+        self._next_sample = 0.0  # while a decode run takes samples (`plan_looks`, `look`)
 
     # -- what drivers use ----------------------------------------------------------------
 
@@ -205,6 +210,10 @@ class Simulator:
     # -- the loop ------------------------------------------------------------------------
 
     def run(self, driver: Driver) -> None:
+        with fewer_collections():  # the garbage collector walks less, results are the same
+            self._run(driver)
+
+    def _run(self, driver: Driver) -> None:
         engine = self.engine
         offload = engine.offload
         clock_now, t0 = self.clock.now, self.t0
@@ -237,13 +246,17 @@ class Simulator:
                 timer = offload.next_event_at()
                 run = timer is not None and timer - t0 <= now
             if run:
-                limit = min(events[0][0], end, next_sample) if events else min(end, next_sample)
+                limit = min(events[0][0], end) if events else end
                 if self.decode_runs:
+                    # Samples fall inside runs: `plan_looks` and `look` take them there.
+                    self._next_sample = next_sample
                     finished: list[RequestOutput] = []
-                    if advance_decode_run(engine, t0 + limit, finished=finished):
+                    if advance_decode_run(engine, t0 + limit, finished=finished, lookout=self):
+                        next_sample = self._next_sample
                         for out in finished:
                             self._complete(out)
                         continue
+                limit = min(limit, next_sample)
                 steps = engine.stats.steps
                 outputs = step(t0 + limit if self.idle_skips else None)
                 for out in outputs:
@@ -266,6 +279,43 @@ class Simulator:
             self._wait_until(target)
         self._sample(min(self.now, end))
         self.wall_s = time.perf_counter() - wall0
+
+    # -- samples inside decode runs (`kvpilot.engine.decode_run.RunLookout`) --------------
+
+    def plan_looks(self, starts: Sequence[float]) -> tuple[list[int], int]:
+        """The step boundaries of a decode run (clock times ``starts``) at which the loop
+        would sample had the run stopped for each sample, and how many steps the run may
+        take: it ends at a boundary where the loop has more to do (an event due, the end).
+
+        The loop ends a run at the first boundary at or past ``t0 + next_sample`` and samples
+        there if ``now >= next_sample`` (else it steps on to the next boundary); these are the
+        same tests, on the same floats."""
+        t0, interval, end = self.t0, self.sample_interval_s, self.duration_s
+        events = self._events
+        due = events[0][0] if events else math.inf
+        k = len(starts) - 1
+        next_sample = self._next_sample
+        looks: list[int] = []
+        j = bisect_left(starts, t0 + next_sample, 1, k)
+        while j < k:
+            now = starts[j] - t0
+            if due <= now or now >= end:
+                return looks, j
+            if now >= next_sample:
+                looks.append(j)
+                next_sample = now + interval
+                j = bisect_left(starts, t0 + next_sample, j + 1, k)
+            else:
+                j += 1
+        return looks, k
+
+    def look(self) -> None:
+        """Sample at a boundary `plan_looks` chose (the engine shows the state there)."""
+        now = self.clock.now() - self.t0
+        self._sample(now)
+        self._next_sample = now + self.sample_interval_s
+        if self.on_progress is not None:
+            self.on_progress(now)
 
     def _wait_until(self, t: float) -> None:
         before = self.clock.now()
