@@ -267,3 +267,39 @@ def test_engine_thresholds_take_disk_only_for_waits_its_round_trip_is_negligible
     assert decide_pause(short).action is PauseAction.OFFLOAD_DISK  # 2.1%: the plain rule goes
     d = decide_pause(short, ENGINE_THRESHOLDS)  # the engine's keeps it, to drop at need
     assert d.action is PauseAction.RETAIN and d.via is PauseAction.DROP
+
+
+def test_the_rule_words_its_reason_only_when_it_is_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvpilot.policy import breakeven
+
+    worded = 0
+    format_bytes = breakeven.format_bytes
+
+    def counted(n: float) -> str:
+        nonlocal worded
+        worded += 1
+        return format_bytes(n)
+
+    monkeypatch.setattr(breakeven, "format_bytes", counted)
+    d = decide_pause(NAPKIN_0_6)
+    assert d.action is PauseAction.OFFLOAD_HOST and worded == 0  # decided, not worded
+    assert d.reason.startswith("Offload to host: the 45.0 s wait") and worded == 1
+    assert d.reason.startswith("Offload to host") and worded == 1  # worded once
+
+
+def test_a_lazy_reason_reads_as_a_field_in_copies_pickles_and_comparisons() -> None:
+    import pickle
+
+    d = decide_pause(NAPKIN_0_6)
+    eager = decide_pause(NAPKIN_0_6)
+    text = eager.reason
+    assert d == eager and hash(d) == hash(eager)  # equality words the reason as needed
+    assert repr(d).count(text) == 1 and "basis" not in repr(d)
+    assert dataclasses.replace(d, reason="Other.").reason == "Other."
+    dropped = dataclasses.replace(decide_pause(NAPKIN_0_6), action=PauseAction.DROP)
+    assert dropped.action is PauseAction.DROP and dropped.reason == text
+    back = pickle.loads(pickle.dumps(decide_pause(NAPKIN_0_6)))
+    assert back == d and back.reason == text
+    assert d != dataclasses.replace(d, reason="Other.")
+    with pytest.raises(AttributeError):
+        d.no_such_figure  # type: ignore[attr-defined]  # noqa: B018

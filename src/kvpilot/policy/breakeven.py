@@ -36,8 +36,9 @@ Rule, in order:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import TYPE_CHECKING, NamedTuple
 
 from kvpilot.errors import ConfigError
 from kvpilot.units import format_bytes, format_seconds
@@ -149,7 +150,7 @@ class PauseInputs:
     tool_waits: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
-        for field in (
+        for name in (
             "kv_bytes",
             "num_tokens",
             "expected_wait_s",
@@ -159,11 +160,11 @@ class PauseInputs:
             "stall_tolerance_s",
             "device_used_bytes",
         ):
-            if getattr(self, field) < 0:
-                raise ConfigError(f"pause inputs: {field} must not be negative")
-        for field in ("device_pressure", "host_pressure"):
-            if not 0.0 <= getattr(self, field) <= 1.0:
-                raise ConfigError(f"pause inputs: {field} must be in [0, 1]")
+            if getattr(self, name) < 0:
+                raise ConfigError(f"pause inputs: {name} must not be negative")
+        for name in ("device_pressure", "host_pressure"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ConfigError(f"pause inputs: {name} must be in [0, 1]")
         has_rate = self.prefill_tokens_per_s is not None and self.prefill_tokens_per_s > 0
         has_flops = (
             self.num_params is not None
@@ -192,6 +193,12 @@ class PauseDecision:
     `reload_vs_recompute` is recompute_s / reload_s: how many times faster reloading from host
     is than recomputing (above 1, reload wins). `break_even_wait_s` is T*_wait for the way out
     the rule considered (host, disk or drop); `via` names that way out.
+
+    The rule's own decisions (`decide_pause`) word their ``reason`` when it is first read:
+    they carry the rule's inputs (``basis``) and an empty ``reason``, and the engine decides
+    far more pauses than anyone reads. A decision copied with another ``reason``
+    (`dataclasses.replace`) says that one; equality, hashing, pickling and ``repr`` read the
+    sentence like any field.
     """
 
     action: PauseAction
@@ -205,6 +212,24 @@ class PauseDecision:
     break_even_wait_s: float
     disk_reload_s: float
     disk_round_trip_s: float
+    basis: tuple[PauseInputs, PauseThresholds] | None = field(
+        default=None, repr=False, compare=False
+    )
+
+    def __post_init__(self) -> None:
+        if not self.reason and self.basis is not None:
+            object.__delattr__(self, "reason")  # worded when first read (__getattr__)
+
+    if not TYPE_CHECKING:  # the type checker sees ``reason: str``, and no other attribute
+
+        def __getattr__(self, name: str) -> str:
+            # Only reached for a reason not worded yet (an empty slot).
+            basis = self.basis if name == "reason" else None
+            if basis is None:
+                raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+            text = _rule(*basis, _figures(*basis), True)[1]
+            object.__setattr__(self, "reason", text)
+            return text
 
 
 def _transfer_s(nbytes: float, bw: float) -> float:
@@ -219,10 +244,23 @@ def _break_even(round_trip: float, mu_device: float, mu_tier: float, stall: floa
     return round_trip * mu_device / (mu_device - mu_tier) + stall
 
 
-def decide_pause(
-    inputs: PauseInputs, thresholds: PauseThresholds = DEFAULT_THRESHOLDS
-) -> PauseDecision:
-    """Apply the break-even rule of the module docstring to one paused trajectory."""
+class _Figures(NamedTuple):
+    """What the rule computes before it decides (steps 2-4 of the module docstring)."""
+
+    reload_s: float
+    disk_reload_s: float
+    recompute_s: float
+    share: float  # recompute_cost / recompute_s
+    recompute_cost: float
+    via: PauseAction
+    tier_reload: float
+    mu_tier: float
+    way_out_rt: float
+    t_star: float
+    disk_exists: bool
+
+
+def _figures(inputs: PauseInputs, thresholds: PauseThresholds) -> _Figures:
     m, wait = inputs.kv_bytes, inputs.expected_wait_s
     reload_s = _transfer_s(m, inputs.device_host_bw_bytes_s)
     disk_bw = min(inputs.device_host_bw_bytes_s, inputs.host_disk_bw_bytes_s)
@@ -230,7 +268,6 @@ def decide_pause(
     recompute_s = inputs.recompute_s
     share = max(1.0, inputs.device_used_bytes / m) if m > 0 else 1.0
     recompute_cost = recompute_s * share
-    gb = m / 1e9
 
     host_room = inputs.host_free_bytes >= m and not math.isinf(reload_s)
     disk_exists = not math.isinf(disk_reload_s)
@@ -247,43 +284,75 @@ def decide_pause(
         via, mu_tier = PauseAction.DROP, 0.0
     way_out_rt = recompute_cost if via is PauseAction.DROP else 2 * tier_reload
     t_star = _break_even(way_out_rt, inputs.device_pressure, mu_tier, inputs.stall_tolerance_s)
+    return _Figures(
+        reload_s,
+        disk_reload_s,
+        recompute_s,
+        share,
+        recompute_cost,
+        via,
+        tier_reload,
+        mu_tier,
+        way_out_rt,
+        t_star,
+        disk_exists,
+    )
 
-    def decision(action: PauseAction, reason: str) -> PauseDecision:
-        return PauseDecision(
-            action=action,
-            reason=reason,
-            via=via,
-            reload_s=reload_s,
-            round_trip_s=2 * reload_s,
-            recompute_s=recompute_s,
-            reload_vs_recompute=recompute_s / reload_s if reload_s > 0 else math.inf,
-            held_gb_s=gb * wait,
-            break_even_wait_s=t_star,
-            disk_reload_s=disk_reload_s,
-            disk_round_trip_s=2 * disk_reload_s,
-        )
 
-    size, s = format_bytes(m), format_seconds
+def decide_pause(
+    inputs: PauseInputs, thresholds: PauseThresholds = DEFAULT_THRESHOLDS
+) -> PauseDecision:
+    """Apply the break-even rule of the module docstring to one paused trajectory."""
+    f = _figures(inputs, thresholds)
+    reload_s, recompute_s = f.reload_s, f.recompute_s
+    return PauseDecision(
+        action=_rule(inputs, thresholds, f, False)[0],
+        reason="",  # worded when read, from the basis
+        via=f.via,
+        reload_s=reload_s,
+        round_trip_s=2 * reload_s,
+        recompute_s=recompute_s,
+        reload_vs_recompute=recompute_s / reload_s if reload_s > 0 else math.inf,
+        held_gb_s=inputs.kv_bytes / 1e9 * inputs.expected_wait_s,
+        break_even_wait_s=f.t_star,
+        disk_reload_s=f.disk_reload_s,
+        disk_round_trip_s=2 * f.disk_reload_s,
+        basis=(inputs, thresholds),
+    )
+
+
+def _rule(
+    inputs: PauseInputs, thresholds: PauseThresholds, f: _Figures, words: bool
+) -> tuple[PauseAction, str]:
+    """The rule's action (steps 1, 4 and 5), and with ``words`` the sentence saying why."""
+    m, wait = inputs.kv_bytes, inputs.expected_wait_s
+    via, way_out_rt, t_star, mu_tier = f.via, f.way_out_rt, f.t_star, f.mu_tier
+    recompute_s, disk_reload_s = f.recompute_s, f.disk_reload_s
+    size, s = (format_bytes(m) if words else ""), format_seconds
     if inputs.device_pressure < thresholds.device_plentiful_below:
-        return decision(
-            PauseAction.RETAIN,
+        return PauseAction.RETAIN, (
             f"Retain: device memory is plentiful (pressure {inputs.device_pressure:.2f}, under "
             f"{thresholds.device_plentiful_below:.2f}), so holding {size} for {s(wait)} costs "
-            "nobody anything.",
+            "nobody anything."
+            if words
+            else ""
         )
-    way_out = {
-        PauseAction.OFFLOAD_HOST: f"the {s(way_out_rt)} host round trip",
-        PauseAction.OFFLOAD_DISK: f"the {s(way_out_rt)} disk round trip",
-        PauseAction.DROP: f"the {s(recompute_s)} it takes to recompute"
-        + ("" if share == 1.0 else f" ({s(way_out_rt)} of the whole device's time)"),
-    }[via]
     if wait <= way_out_rt:
-        return decision(
-            PauseAction.RETAIN,
+        if not words:
+            return PauseAction.RETAIN, ""
+        way_out = {
+            PauseAction.OFFLOAD_HOST: f"the {s(way_out_rt)} host round trip",
+            PauseAction.OFFLOAD_DISK: f"the {s(way_out_rt)} disk round trip",
+            PauseAction.DROP: f"the {s(recompute_s)} it takes to recompute"
+            + ("" if f.share == 1.0 else f" ({s(way_out_rt)} of the whole device's time)"),
+        }[via]
+        return PauseAction.RETAIN, (
             f"Retain: the {s(wait)} wait is shorter than {way_out}, so moving {size} out "
-            "would delay the resume.",
+            "would delay the resume."
         )
     if wait <= t_star:
+        if not words:
+            return PauseAction.RETAIN, ""
         if math.isinf(t_star):
             why = (
                 f"host memory is as contended as device memory ({mu_tier:.2f} against "
@@ -291,18 +360,22 @@ def decide_pause(
                 if via is PauseAction.OFFLOAD_HOST
                 else f"device memory is under no pressure, so freeing {size} gains nothing"
             )
-            return decision(PauseAction.RETAIN, f"Retain: {why}.")
-        return decision(
-            PauseAction.RETAIN,
+            return PauseAction.RETAIN, f"Retain: {why}."
+        return PauseAction.RETAIN, (
             f"Retain: the {s(wait)} wait is under the {s(t_star)} break-even wait (device "
             f"pressure {inputs.device_pressure:.2f} against {mu_tier:.2f} where the state "
-            f"would go), so holding {size} costs less than moving it.",
+            f"would go), so holding {size} costs less than moving it."
         )
+    if not words:
+        if via is PauseAction.DROP and thresholds.defer_drop:
+            return PauseAction.RETAIN, ""
+        return via, ""
     past = f"the {s(wait)} wait is past the {s(t_star)} break-even"
     if not math.isclose(t_star, way_out_rt, rel_tol=0.05):
         past += f" ({s(way_out_rt)} round trip)"
     if via is PauseAction.DROP:
-        if math.isinf(tier_reload) and disk_exists:
+        tier_reload = f.tier_reload
+        if math.isinf(tier_reload) and f.disk_exists:
             why = (
                 f"there is no host room, and the {s(2 * disk_reload_s)} disk round trip is not "
                 f"negligible next to the {s(wait)} wait"
@@ -310,16 +383,14 @@ def decide_pause(
         elif math.isinf(tier_reload):
             why = "there is no host room and no disk tier"
         else:
-            why = f"recomputing ({s(recompute_cost)}) is faster than reloading ({s(tier_reload)})"
+            why = f"recomputing ({s(f.recompute_cost)}) is faster than reloading ({s(tier_reload)})"
         if thresholds.defer_drop:
-            return decision(
-                PauseAction.RETAIN,
+            return PauseAction.RETAIN, (
                 f"Retain until the memory is needed: {why} and {past}, but dropping is "
-                f"instant, so {size} is dropped only if memory pressure demotes it.",
+                f"instant, so {size} is dropped only if memory pressure demotes it."
             )
-        return decision(
-            PauseAction.DROP,
-            f"Drop: {why}, and {past}, so {size} is freed now and recomputed on return.",
+        return PauseAction.DROP, (
+            f"Drop: {why}, and {past}, so {size} is freed now and recomputed on return."
         )
     if via is PauseAction.OFFLOAD_DISK:
         why = (
@@ -328,13 +399,12 @@ def decide_pause(
             else f"host memory is under pressure ({inputs.host_pressure:.2f}) and the "
             f"{s(2 * disk_reload_s)} disk round trip is negligible next to the {s(wait)} wait"
         )
-        return decision(
-            PauseAction.OFFLOAD_DISK,
+        return PauseAction.OFFLOAD_DISK, (
             f"Offload to disk: {why}, so reloading {size} later ({s(disk_reload_s)}) beats "
-            f"recomputing it ({s(recompute_s)}).",
+            f"recomputing it ({s(recompute_s)})."
         )
-    return decision(
-        PauseAction.OFFLOAD_HOST,
+    reload_s = f.reload_s
+    return PauseAction.OFFLOAD_HOST, (
         f"Offload to host: {past}, and reloading {size} ({s(reload_s)}) is "
-        f"{recompute_s / reload_s:.0f}x faster than recomputing it ({s(recompute_s)}).",
+        f"{recompute_s / reload_s:.0f}x faster than recomputing it ({s(recompute_s)})."
     )
