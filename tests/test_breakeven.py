@@ -182,7 +182,7 @@ def test_negative_wait_is_a_config_error() -> None:
 
 pause_inputs = st.builds(
     PauseInputs,
-    kv_bytes=st.floats(1e6, 1e11),
+    kv_bytes=st.one_of(st.just(0.0), st.floats(1e6, 1e11)),  # 0: a pause holding no KV
     num_tokens=st.integers(1, 1 << 18),
     expected_wait_s=st.floats(0.0, 1e5),
     device_host_bw_bytes_s=st.floats(1e9, 1e12),

@@ -404,7 +404,8 @@ def _rule(
             f"recomputing it ({s(recompute_s)})."
         )
     reload_s = f.reload_s
+    faster = f"{recompute_s / reload_s:.0f}x faster than" if reload_s > 0 else "free next to"
     return PauseAction.OFFLOAD_HOST, (
-        f"Offload to host: {past}, and reloading {size} ({s(reload_s)}) is "
-        f"{recompute_s / reload_s:.0f}x faster than recomputing it ({s(recompute_s)})."
+        f"Offload to host: {past}, and reloading {size} ({s(reload_s)}) is {faster} "
+        f"recomputing it ({s(recompute_s)})."
     )
