@@ -4,41 +4,22 @@ stated over every record (`pressure_by_walk`)."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_pause_pricing import record as priced_record
 
 from kvpilot.engine.pause_book import PauseBook
 from kvpilot.engine.pause_pricing import demoted_to_host, host_room, next_use, pressure_on
 from kvpilot.engine.tier_stats import PauseRecord, PauseState
-from kvpilot.policy.breakeven import PauseAction, PauseInputs, decide_pause
+from kvpilot.policy.breakeven import PauseAction
 
-INPUTS = PauseInputs(
-    kv_bytes=0.0,
-    num_tokens=10,
-    expected_wait_s=5.0,
-    device_host_bw_bytes_s=1e3,
-    host_disk_bw_bytes_s=0.0,
-    prefill_tokens_per_s=100.0,
-)
 SESSIONS = [f"s{i}" for i in range(6)]
 
 
 def record(sid: str, kv_bytes: float, paused_at: float, wait: float) -> PauseRecord:
-    inputs = dataclasses.replace(INPUTS, kv_bytes=kv_bytes, expected_wait_s=wait)
-    return PauseRecord(
-        session_id=sid,
-        decision=decide_pause(inputs),
-        inputs=inputs,
-        tool=None,
-        wait_source="hint",
-        paused_at=paused_at,
-        expected_return=paused_at + wait,
-        lease_until=paused_at,
-        state=PauseState.RETAINED,
-    )
+    """A retained pause (`test_pause_pricing.record`)."""
+    return priced_record(sid, kv_bytes, paused_at, wait, PauseState.RETAINED)
 
 
 def pressure_by_walk(
