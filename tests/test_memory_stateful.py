@@ -193,16 +193,23 @@ class TierMachine(RuleBasedStateMachine):
     @rule(k=st.integers(0, 50), extra=small_tokens)
     def resume_while_moving_out(self, k: int, extra: list[int]) -> None:
         """The agent is back before its KV has left: a trajectory locks a moving node."""
+        opened = self.open_on_moving_node(k, extra)
+        if opened is not None:
+            node, traj = opened
+            assert traj.reuse_prefix() >= node.depth_tokens
+
+    def open_on_moving_node(self, k: int, extra: list[int]) -> tuple[RadixNode, Trajectory] | None:
+        """A trajectory whose tokens run through a node being moved off the device (the
+        ``k``-th), then ``extra``; None when nothing moves."""
         moving = [n for j in self.in_flight if j.src is Tier.DEVICE for n in j.nodes if n.alive]
         if not moving:
-            return
+            return None
         node = moving[k % len(moving)]
         root = node
         while root.parent is not None:
             root = root.parent
         salt = next(s for s, r in self.mgr.radix.roots().items() if r is root)
-        traj = self.mgr.open_trajectory(salt, [*path_tokens(node), *extra, 1])
-        assert traj.reuse_prefix() >= node.depth_tokens
+        return node, self.mgr.open_trajectory(salt, [*path_tokens(node), *extra, 1])
 
     @rule(j=st.integers(0, 50))
     def start_load_to_device(self, j: int) -> None:

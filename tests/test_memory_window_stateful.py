@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from hypothesis import strategies as st
 from hypothesis.stateful import invariant, precondition, rule
-from test_memory_stateful import B, MemoryMachine, kv, path_tokens, small_tokens
+from test_memory_stateful import B, MemoryMachine, kv, small_tokens
 
 from kvpilot.memory import ForkResult, KVConfig, KVManager, Tier, Trajectory
 from kvpilot.memory.window import NULL_BLOCK
@@ -74,15 +74,10 @@ class WindowMachine(MemoryMachine):
     def resume_while_moving_out(self, k: int, extra: list[int]) -> None:
         """As the base machine's, but a hit counts only as far as its window is cached: the
         whole moving node at least when its last window is."""
-        moving = [n for j in self.in_flight if j.src is Tier.DEVICE for n in j.nodes if n.alive]
-        if not moving:
+        opened = self.open_on_moving_node(k, extra)
+        if opened is None:
             return
-        node = moving[k % len(moving)]
-        root = node
-        while root.parent is not None:
-            root = root.parent
-        salt = next(s for s, r in self.mgr.radix.roots().items() if r is root)
-        traj = self.mgr.open_trajectory(salt, [*path_tokens(node), *extra, 1])
+        node, traj = opened
         assert traj.window is not None
         blocks = node.depth_tokens // B
         whole = traj.window.longest_valid(blocks, 0, traj.token_array()) == blocks

@@ -19,19 +19,26 @@ from kvpilot.sim.replay import ReplayOptions, load_replay
 MINISWE = Path(__file__).resolve().parents[2] / "shared/traces/lmcache-agent-trace/miniswe"
 
 
-def test_fit_recovers_known_coefficients_and_keeps_them_non_negative() -> None:
-    true = (2e-3, 1e-4, 5e-4, 2e-6, 1e-8)
+TRUE = (2e-3, 1e-4, 5e-4, 2e-6, 1e-8)
+
+
+def true_steps() -> list[StepSample]:
+    """Batch shapes over prefill, decode and context sizes, each with its time under TRUE."""
     samples = []
     for p in (0, 16, 200, 512):
         for d in (0, 1, 4, 12):
             for ctx in (0, 300, 1500):
                 if p == 0 and d == 0:
                     continue
-                shape = BatchShape(
-                    d + (1 if p else 0), p, d, ctx * (d + (1 if p else 0)), p * p // 2 + d * ctx
-                )
-                t = sum(c * f for c, f in zip(true, shape.features(), strict=True))
+                seqs = d + (1 if p else 0)
+                shape = BatchShape(seqs, p, d, ctx * seqs, p * p // 2 + d * ctx)
+                t = sum(c * f for c, f in zip(TRUE, shape.features(), strict=True))
                 samples.append(StepSample(shape, t))
+    return samples
+
+
+def test_fit_recovers_known_coefficients_and_keeps_them_non_negative() -> None:
+    true, samples = TRUE, true_steps()
     profile = fit_profile(samples, model="synthetic")
     assert profile.coefficients_s == pytest.approx(true, rel=1e-6)
     assert profile.r2 == pytest.approx(1.0)
@@ -48,19 +55,9 @@ def test_fit_gets_the_mean_step_time_right_under_noise() -> None:
     """Each shape timed twice, 30% fast and 30% slow (a shared machine): the profile must
     predict their mean, since a replay's time is a sum of steps. Weighting by the measured
     time instead would pull every coefficient ~10% low."""
-    true = (2e-3, 1e-4, 5e-4, 2e-6, 1e-8)
-    samples = []
-    for p in (0, 16, 200, 512):
-        for d in (0, 1, 4, 12):
-            for ctx in (0, 300, 1500):
-                if p == 0 and d == 0:
-                    continue
-                seqs = d + (1 if p else 0)
-                shape = BatchShape(seqs, p, d, ctx * seqs, p * p // 2 + d * ctx)
-                t = sum(c * f for c, f in zip(true, shape.features(), strict=True))
-                samples += [StepSample(shape, 0.7 * t), StepSample(shape, 1.3 * t)]
+    samples = [StepSample(s.shape, f * s.seconds) for s in true_steps() for f in (0.7, 1.3)]
     profile = fit_profile(samples, model="noisy")
-    assert profile.coefficients_s == pytest.approx(true, rel=0.02)
+    assert profile.coefficients_s == pytest.approx(TRUE, rel=0.02)
     predicted = sum(
         sum(c * f for c, f in zip(profile.coefficients_s, s.shape.features(), strict=True))
         for s in samples

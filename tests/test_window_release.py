@@ -23,6 +23,7 @@ from window_models import (
 )
 
 from kvpilot.engine import Engine, SamplingParams
+from kvpilot.engine.session import Session
 from kvpilot.memory.window import max_held_blocks
 from kvpilot.model.runner import ModelRunner
 
@@ -99,21 +100,36 @@ def test_blocks_outside_the_window_are_released(hybrid: Path) -> None:
     assert window.evictable_blocks() >= context_blocks - max_held_blocks(WINDOW, B) - 1
 
 
+def checked_turn(
+    engine: Engine,
+    session: Session,
+    recorder: LogitRecorder,
+    model: Path,
+    history: list[int],
+    new: list[int],
+) -> tuple[int, list[int]]:
+    """Run one session turn of ``new`` tokens, append them to ``history`` and check the
+    output against transformers on the whole history; the turn's cached prompt tokens and
+    its output."""
+    rid = session.submit(new, GREEDY)
+    request = engine.requests[rid]
+    got = recorder.finish(rid)
+    engine.check_invariants()
+    history += new
+    assert_matches_transformers(model, history, got.tokens, got.logits)
+    return request.cached_tokens, list(got.tokens)
+
+
 def test_session_turns_and_stateless_history_reuse_the_prefix(hybrid: Path) -> None:
     engine = window_engine(hybrid)
     session = engine.open_session()
     recorder = LogitRecorder(engine)
     history: list[int] = []
     for turn, new in enumerate(long_prompts(3, seed=3, lo=WINDOW, hi=2 * WINDOW)):
-        rid = session.submit(new, GREEDY)
-        request = engine.requests[rid]
-        got = recorder.finish(rid)
-        engine.check_invariants()
-        history += new
-        assert_matches_transformers(hybrid, history, got.tokens, got.logits)
+        cached, tokens = checked_turn(engine, session, recorder, hybrid, history, new)
         if turn:
-            assert request.cached_tokens == len(history) - len(new) - 1
-        history += list(got.tokens)
+            assert cached == len(history) - len(new) - 1
+        history += tokens
     session.close()
     # A stateless client resends the whole history: the prefix cache (full group: radix;
     # window group: the last window's blocks, published when the session closed) serves it.
@@ -175,15 +191,10 @@ def test_pause_offload_and_reload(hybrid: Path, policy: str, tmp_path: Path) -> 
     session = engine.open_session()
     history: list[int] = []
     for turn, new in enumerate(long_prompts(3, seed=8, lo=WINDOW, hi=2 * WINDOW)):
-        rid = session.submit(new, GREEDY)
-        request = engine.requests[rid]
-        got = recorder.finish(rid)
-        engine.check_invariants()
-        history += new
-        assert_matches_transformers(hybrid, history, got.tokens, got.logits)
+        cached, tokens = checked_turn(engine, session, recorder, hybrid, history, new)
         if turn:
-            assert request.cached_tokens > 0, "the reloaded prefix was not reused"
-        history += list(got.tokens)
+            assert cached > 0, "the reloaded prefix was not reused"
+        history += tokens
         session.pause(expected_wait_s=30.0, tool="pytest")
         while engine.offload.busy():
             engine.step()
