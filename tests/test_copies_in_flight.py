@@ -71,3 +71,21 @@ def test_a_lone_sequence_waits_for_blocks_that_copies_in_flight_pin(tmp_path: Pa
     assert out.outputs[0].finish_reason == "length"
     assert list(out.token_ids) == alone(tmp_path)
     engine.close()
+
+
+def test_an_idle_step_on_virtual_time_gives_a_real_copy_real_time(tmp_path: Path) -> None:
+    """On a virtual clock, an idle step waits (up to a moment) for a copy a thread runs
+    before the clock moves on: otherwise the clock can race past a pause's timers while the
+    copy is still in flight (a CI failure: a prefetch fired before the disk write ended)."""
+    engine = tiered("tiny", tmp_path, "offload-host")
+    gate = gate_swap_outs(engine)
+    session = engine.open_session()
+    session.generate(FIRST, PARAMS)
+    start = engine.clock.now()
+    session.pause(expected_wait_s=30.0)
+    (copy,) = engine.offload.mover.in_flight()
+    threading.Timer(0.01, gate.set).start()  # the copy takes 10 ms of real time from here
+    engine.step()  # nothing to run: an idle step
+    assert copy.done(), "the idle step did not wait for the copy"
+    assert engine.clock.now() - start < 0.01
+    engine.close()
