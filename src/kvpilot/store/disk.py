@@ -37,6 +37,7 @@ import numpy as np
 from kvpilot.errors import ConfigError, InvalidRequest, KvpilotError
 from kvpilot.memory.hashing import ModelFingerprint
 from kvpilot.store.buffers import ReadBuffers
+from kvpilot.store.durable import SyncPoints
 from kvpilot.store.faults import DISK_FAULTS, FaultEpisodes
 from kvpilot.store.index import INDEX_FILENAME, BlockIndex, IndexEntry
 from kvpilot.store.slot_file import SlotFile, checksum, lock_directory
@@ -131,6 +132,11 @@ class DiskBlockStore:
             raise
         chunk = max(1, min(num_slots, STAGING_BYTES // block_bytes))
         self._staged = StagedWrites(block_bytes, chunk)
+        self._durable = SyncPoints(self._file.sync, lambda: self._staged.completed)
+        self._last_written = 0.0  # when the last batch was durable (perf_counter)
+        self._sync_thread = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="kvpilot-disk-sync"
+        )
         self._read_buffers = ReadBuffers()
         self._writer: BatchWriter[_Put, bool] = BatchWriter(
             self._write_batch, name="kvpilot-disk-writer", max_batch=max_batch_blocks
@@ -163,8 +169,10 @@ class DiskBlockStore:
             )
         return _Put(key, raw)
 
-    def _write_batch(self, items: list[_Put]) -> list[bool]:
-        """Runs on the writer thread: plan slots, write and fsync, commit rows, then publish."""
+    def _write_batch(self, items: list[_Put]) -> Future[list[bool]]:
+        """Runs on the writer thread: plans slots and stages the blocks (the I/O thread writes
+        them); the sync thread then makes them durable, commits their rows and publishes
+        them (`_finish_batch`), while this thread goes on to the next batch."""
         now = self._clock()
         with self._lock:
             if items:
@@ -173,15 +181,34 @@ class DiskBlockStore:
                 except OSError as exc:
                     self.faults.failed(exc, len(items))
                     self._counters.write_errors += len(items)
-                    return [False] * len(items)
+                    return self._sync_thread.submit(lambda: [False] * len(items))
             results, planned, evictions = self._slots.plan([p.key for p in items], now)
             self._counters.evictions += evictions
         start = time.perf_counter()
-        rows: list[tuple[bytes, IndexEntry]] = []
+        order = sorted(planned.items(), key=lambda kv: kv[1].slot)
+        blocks = [(p.slot, items[p.item].data) for _, p in order]
+        sums, written = self._staged.write(blocks, self._write_slots, checksum)
+        rows = [
+            (key, IndexEntry(slot, len(data), digest, now, now))
+            for (key, _), (slot, data), digest in zip(order, blocks, sums, strict=True)
+        ]
+        return self._sync_thread.submit(self._finish_batch, results, planned, rows, written, start)
+
+    def _finish_batch(
+        self,
+        results: list[bool],
+        planned: dict[bytes, Planned],
+        rows: list[tuple[bytes, IndexEntry]],
+        written: Future[int],
+        start: float,
+    ) -> list[bool]:
+        """Runs on the sync thread, batch after batch: waits for the batch's writes, fsyncs
+        (`SyncPoints`), commits the index, then publishes the rows (reads find them)."""
         try:
-            if planned:
-                rows = self._write_planned(items, planned, now)
-            elapsed = time.perf_counter() - start
+            seq = written.result()
+            if planned and self._fsync:
+                self._durable.make_durable(seq)
+            end = time.perf_counter()
             self._commit(rows)
         except DISK_FAULTS as exc:
             self.faults.failed(exc, max(len(planned), 1))
@@ -197,26 +224,13 @@ class DiskBlockStore:
             for key, entry in rows:
                 self._slots.written(key, entry)
             if planned:
+                # Batches overlap: this one's time starts when the previous one was done.
                 nbytes = sum(entry.length for _, entry in rows)
                 self._counters.blocks_written += len(planned)
                 self._counters.bytes_written += nbytes
-                self._counters.write_bw.observe(nbytes, elapsed)
+                self._counters.write_bw.observe(nbytes, end - max(start, self._last_written))
+                self._last_written = end
         return results
-
-    def _write_planned(
-        self, items: list[_Put], planned: dict[bytes, Planned], now: float
-    ) -> list[tuple[bytes, IndexEntry]]:
-        """Stages, checksums and writes the planned blocks in slot order, then fsyncs once;
-        returns their index rows (not committed yet)."""
-        order = sorted(planned.items(), key=lambda kv: kv[1].slot)
-        blocks = [(p.slot, items[p.item].data) for _, p in order]
-        sums = self._staged.write(blocks, self._write_slots, checksum)
-        if self._fsync:
-            self._file.sync()
-        return [
-            (key, IndexEntry(slot, len(data), digest, now, now))
-            for (key, _), (slot, data), digest in zip(order, blocks, sums, strict=True)
-        ]
 
     def _write_slots(self, writes: Sequence[tuple[int, memoryview]]) -> None:
         self._file.write(writes, fsync=False)
@@ -340,9 +354,10 @@ class DiskBlockStore:
                 return
             self._closed = True
         try:
-            self._writer.close()
+            self._writer.close()  # every batch is durable and committed (or failed) now
             self._reader.shutdown(wait=True)
             self._staged.close()
+            self._sync_thread.shutdown(wait=True)
             try:
                 self._commit()
             except DISK_FAULTS as exc:  # the index keeps its last good state

@@ -1,64 +1,124 @@
-"""The disk writer's staging: two page-aligned buffers that take turns, and an I/O thread.
+"""The disk writer's staging: page-aligned buffers that take turns, and an I/O thread.
 
-A batch of blocks goes to disk a buffer at a time: the writer thread copies blocks into one
-buffer (whole slots, so direct I/O can take them) and checksums them there, while the I/O
-thread writes the other (the first shares are small, so the disk starts early). The buffers
-are mapped (and their pages faulted in) once, when the store opens, and reused for its
-lifetime: fresh pages would cost a page fault each.
+Blocks go to disk a buffer at a time: the writer thread copies blocks into one buffer (whole
+slots, so direct I/O can take them) and checksums each right after its copy (still in cache),
+both without holding the GIL, while the I/O thread writes the buffers filled before. ``write``
+returns once a batch is staged, not written: the writer stages the next batch while this
+one's last buffers go to disk, so the disk does not wait for a batch's fsync and index commit
+(the store's sync thread, `kvpilot.store.durable`) before it gets more bytes. Only when the
+I/O thread is idle does a batch start with a small share (the disk starts after a short
+copy); behind a busy one every share is a whole buffer.
+
+The buffers are mapped (and their pages faulted in) once, when the store opens, and reused
+for its lifetime: fresh pages would cost a page fault each.
+
+Writes complete in submission order (one I/O thread), so ``completed`` (how many shares are
+written, failed ones too) tells the fsync which batches it covers.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+
+import numpy as np
 
 from kvpilot.store.buffers import aligned_buffer
 
 Writes = list[tuple[int, memoryview]]
 
+BUFFERS = 2  # the writer fills one while the I/O thread writes the other
+
 
 class StagedWrites:
-    def __init__(self, block_bytes: int, chunk_blocks: int) -> None:
+    def __init__(self, block_bytes: int, chunk_blocks: int, buffers: int = BUFFERS) -> None:
         self.block_bytes = block_bytes
         self.chunk = chunk_blocks
-        self._buffers = [aligned_buffer(chunk_blocks * block_bytes, populate=True) for _ in "ab"]
+        self._buffers = [
+            aligned_buffer(chunk_blocks * block_bytes, populate=True) for _ in range(buffers)
+        ]
+        self._arrays = [np.frombuffer(buf, np.uint8) for buf in self._buffers]
+        self._last: list[Future[None] | None] = [None] * buffers  # each buffer's last write
+        self._next = 0  # the buffer to fill next
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvpilot-disk-io")
+        self._count_lock = threading.Lock()
+        self.submitted = 0  # shares handed to the I/O thread
+        self.completed = 0  # shares written (or failed), in submission order
 
     def write(
         self,
         blocks: Sequence[tuple[int, bytes]],
         write_slots: Callable[[Writes], None],
         digest: Callable[[memoryview], bytes],
-    ) -> list[bytes]:
-        """Writes each ``(slot, data)`` (in slot order, for runs of consecutive slots) with
-        ``write_slots`` on the I/O thread, a buffer at a time; returns each block's ``digest``
-        of the bytes staged for it. Returns or raises only when no write is in flight."""
+    ) -> tuple[list[bytes], Future[int]]:
+        """Stages each ``(slot, data)`` (in slot order, for runs of consecutive slots) and hands
+        it to ``write_slots`` on the I/O thread, a buffer at a time; returns each block's
+        ``digest`` of the bytes staged for it, and a future that resolves once every share of
+        this batch is written, with ``submitted`` after its last share (or with the first
+        share's error, once none of them is in flight). Called from one thread only."""
         b = self.block_bytes
         sums: list[bytes] = []
-        writing: list[Future[None]] = []
-        try:
-            for n, (first, end) in enumerate(self.chunks(len(blocks))):
-                if len(writing) >= 2:
-                    writing[-2].result()  # its buffer is the one to fill now
-                staging = self._buffers[n % 2]
-                writes: Writes = []
-                for j, (slot, data) in enumerate(blocks[first:end]):
-                    staging[j * b : j * b + len(data)] = data
-                    sums.append(digest(staging[j * b : j * b + len(data)]))
-                    writes.append((slot, staging[j * b : (j + 1) * b]))
-                writing.append(self._io.submit(write_slots, writes))
-        finally:
-            wait(writing)  # no write may still read a buffer when this returns
-        for done in writing:
-            done.result()
-        return sums
+        shares: list[Future[None]] = []
+        for first, end in self.chunks(len(blocks), ramp=self.idle()):
+            n = self._next
+            self._next = (n + 1) % len(self._buffers)
+            last = self._last[n]
+            if last is not None:
+                wait([last])  # the buffer to fill is free once its write is done
+            staging, into = self._buffers[n], self._arrays[n]
+            writes: Writes = []
+            for j, (slot, data) in enumerate(blocks[first:end]):
+                # numpy copies without the GIL (a memoryview assignment holds it, and the
+                # I/O thread would wait up to the switch interval to return from each write).
+                np.copyto(into[j * b : j * b + len(data)], np.frombuffer(data, np.uint8))
+                sums.append(digest(staging[j * b : j * b + len(data)]))
+                writes.append((slot, staging[j * b : (j + 1) * b]))
+            self._last[n] = self._io.submit(self._write_share, write_slots, writes)
+            shares.append(self._last[n])  # type: ignore[arg-type]
+            self.submitted += 1
+        done: Future[int] = Future()
+        seq = self.submitted
+        if not shares:
+            done.set_result(seq)
+            return sums, done
+        pending = [len(shares)]
+        lock = threading.Lock()
 
-    def chunks(self, count: int) -> list[tuple[int, int]]:
-        """[first, end) of each buffer's share of ``count`` blocks: an eighth of a buffer
-        first, then doubling up to a whole one, so the disk starts after a short copy and
-        each copy is shorter than the write it overlaps."""
+        def finished(_: Future[None]) -> None:
+            with lock:
+                pending[0] -= 1
+                if pending[0]:
+                    return
+            error = next((s.exception() for s in shares if s.exception() is not None), None)
+            if error is not None:
+                done.set_exception(error)
+            else:
+                done.set_result(seq)
+
+        for share in shares:
+            share.add_done_callback(finished)
+        return sums, done
+
+    def _write_share(self, write_slots: Callable[[Writes], None], writes: Writes) -> None:
+        try:
+            write_slots(writes)
+        finally:
+            with self._count_lock:
+                self.completed += 1
+
+    def idle(self) -> bool:
+        """No share is queued or being written."""
+        with self._count_lock:
+            return self.completed == self.submitted
+
+    def chunks(self, count: int, *, ramp: bool = True) -> list[tuple[int, int]]:
+        """[first, end) of each buffer's share of ``count`` blocks: whole buffers, except
+        that with ``ramp`` (the disk is idle) the first share is an eighth of a buffer and
+        each next one doubles, so the disk starts after a short copy and each copy is
+        shorter than the write it overlaps."""
         out: list[tuple[int, int]] = []
-        size = max(1, self.chunk // 8)
+        size = max(1, self.chunk // 8) if ramp else self.chunk
         first = 0
         while first < count:
             out.append((first, min(count, first + size)))
@@ -66,4 +126,5 @@ class StagedWrites:
         return out
 
     def close(self) -> None:
+        """Waits for every write in flight, then stops the I/O thread."""
         self._io.shutdown(wait=True)

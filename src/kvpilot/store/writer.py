@@ -1,11 +1,13 @@
-"""One background thread that runs a batch function over queued items (group commit)."""
+"""One background thread that runs a batch function over queued items (group commit); the
+batch function returns a future, so a batch may finish (e.g. its fsync) while the next one
+is being prepared."""
 
 from __future__ import annotations
 
 import queue
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -27,13 +29,15 @@ class BatchWriter(Generic[T, R]):
 
     Jobs run in submission order. Every job queued while a batch is in progress joins the next
     batch (up to ``max_batch`` items; a single job is never split), so many small submissions
-    share one fsync and one index commit. ``process`` must return one result per item, in
-    order; if it raises, every future of that batch gets the exception. A job whose future was
-    cancelled before its batch started is skipped. ``close`` runs every job already queued.
+    share one fsync and one index commit. ``process`` returns a future of one result per item,
+    in order, and may return before that future is done (the thread goes on to the next
+    batch); if it raises or its future fails, every future of that batch gets the exception.
+    A job whose future was cancelled before its batch started is skipped. ``close`` runs every
+    job already queued and waits until every batch's future is done.
     """
 
     def __init__(
-        self, process: Callable[[list[T]], list[R]], *, name: str, max_batch: int = 256
+        self, process: Callable[[list[T]], Future[list[R]]], *, name: str, max_batch: int = 256
     ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
@@ -43,6 +47,7 @@ class BatchWriter(Generic[T, R]):
         self._lock = threading.Lock()
         self._pending = 0
         self._closed = False
+        self._unfinished: set[Future[list[R]]] = set()  # batches processed, not done yet
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -65,6 +70,9 @@ class BatchWriter(Generic[T, R]):
             self._closed = True
             self._queue.put(None)
         self._thread.join()
+        with self._lock:
+            unfinished = list(self._unfinished)
+        wait(unfinished)
 
     def _enqueue(self, items: Sequence[T], *, single: bool) -> Future[Any]:
         future: Future[Any] = Future()
@@ -99,18 +107,32 @@ class BatchWriter(Generic[T, R]):
         live = [job for job in batch if job.future.set_running_or_notify_cancel()]
         items = [item for job in live for item in job.items]
         try:
-            results = self._process(items) if live else []
+            results = self._process(items) if live else _done([])
         except BaseException as exc:
+            results = Future()
+            results.set_exception(exc)
+        with self._lock:
+            self._unfinished.add(results)
+        results.add_done_callback(lambda done: self._finish(batch, live, done))
+
+    def _finish(self, batch: list[_Job[T]], live: list[_Job[T]], done: Future[list[R]]) -> None:
+        error = done.exception()
+        with self._lock:
+            self._pending -= sum(len(job.items) for job in batch)
+            self._unfinished.discard(done)
+        if error is not None:
             for job in live:
-                job.future.set_exception(exc)
-            results = None
-        finally:
-            with self._lock:
-                self._pending -= sum(len(job.items) for job in batch)
-        if results is None:
+                job.future.set_exception(error)
             return
+        results = done.result()
         start = 0
         for job in live:
             chunk = results[start : start + len(job.items)]
             start += len(job.items)
             job.future.set_result(chunk[0] if job.single else chunk)
+
+
+def _done(value: list[R]) -> Future[list[R]]:
+    future: Future[list[R]] = Future()
+    future.set_result(value)
+    return future
