@@ -187,10 +187,29 @@ def test_blocks_held_by_the_caller_are_never_overwritten_by_later_reads(tmp_path
         held = [s.get_many([key(i), key(i + 32)]) for i in range(32)]
         for i, (a, b) in enumerate(held):
             assert a == block(i) and b == block(i + 32)
-        assert s._read_buffers.reused == 0
+        prefilled = kvpilot.store.disk.READ_BUFFERS
+        assert s._read_buffers.reused == prefilled  # then a new buffer for every read
+        assert s._read_buffers.mapped == 32 - prefilled
         del held
         s.get_many([key(5)])
-        assert s._read_buffers.reused == 1  # a buffer freed above, mapped already
+        assert s._read_buffers.reused == prefilled + 1  # a buffer freed above, mapped already
+
+
+def test_a_new_stores_first_reads_land_in_buffers_mapped_at_open(tmp_path: Path) -> None:
+    with DiskBlockStore(tmp_path, 64, BLOCK, fsync=False) as s:
+        s.put_many([(key(i), block(i)) for i in range(64)]).result()
+        first = s.get_many([key(i) for i in range(64)])
+        second = s.get_many([key(i) for i in range(32)])
+        assert first == [block(i) for i in range(64)] and second == first[:32]
+        assert (s._read_buffers.mapped, s._read_buffers.reused) == (0, 2)
+
+
+def test_prefilled_read_buffers_stay_within_the_budget() -> None:
+    pool = ReadBuffers(slots=3, max_bytes=4 * BLOCK)
+    pool.prefill(2 * BLOCK, 5)
+    assert [len(k) for k in pool._kept] == [2 * BLOCK, 2 * BLOCK]
+    a, b = pool.take(2 * BLOCK), pool.take(BLOCK)
+    assert is_aligned(a) and is_aligned(b) and pool.reused == 2 and pool.mapped == 0
 
 
 def test_read_buffers_are_reused_only_once_every_view_is_gone() -> None:

@@ -51,6 +51,7 @@ BlockData = bytes | bytearray | memoryview | np.ndarray
 log = logging.getLogger(__name__)
 
 STAGING_BYTES = 16 << 20  # the writer's staging buffer: a batch goes to disk in such chunks
+READ_BUFFERS = 2  # read buffers of that size mapped at open (a reader holds one, reads another)
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,6 +139,7 @@ class DiskBlockStore:
             max_workers=1, thread_name_prefix="kvpilot-disk-sync"
         )
         self._read_buffers = ReadBuffers()
+        self._read_buffers.prefill(chunk * block_bytes, READ_BUFFERS)
         self._writer: BatchWriter[_Put, bool] = BatchWriter(
             self._write_batch, name="kvpilot-disk-writer", max_batch=max_batch_blocks
         )
