@@ -11,13 +11,21 @@ Crash safety rests on two rules. A row is committed only after its block's bytes
 against its row's length and checksum, so a row whose slot was later overwritten (a crash between
 an evicting write and its commit), truncated, damaged or deleted is a miss, never wrong bytes.
 
-Speed comes from moving whole batches: the writer thread copies a batch's blocks into reused
-page-aligned staging buffers (`kvpilot.store.staging`: no page faults per write), checksums
-them there (XXH3, ~13 GB/s a core), writes each run of consecutive slots with one ``pwritev``
-(direct I/O where the slot size allows, `kvpilot.store.slot_file`) while it stages the next,
-fsyncs once and commits the index once per batch. Reads land in one buffer per call
-(``read_into`` takes the caller's; ``get_many`` takes a reused one, `kvpilot.store.buffers`),
-a run of consecutive slots in one ``preadv``.
+Speed comes from moving whole batches and keeping the disk busy. Three threads form a pipeline:
+
+    writer  plans a batch's slots, copies its blocks into reused page-aligned staging buffers
+            (`kvpilot.store.staging`: no page faults per write) and checksums them there (XXH3,
+            ~13 GB/s a core; copy and hash without the GIL), then goes on to the next batch
+    I/O     writes each buffer, a run of consecutive slots in one ``pwritev`` (direct I/O where
+            the slot size allows, `kvpilot.store.slot_file`), buffer after buffer
+    sync    per batch, in order: waits for its writes, fsyncs (one fsync covers every batch
+            written before it, `kvpilot.store.durable`), commits its rows, then publishes
+            them and resolves its puts
+
+so a batch's fsync and index commit overlap the next batch's writes, and a put resolves True
+only once its block is durable and indexed. Reads land in one buffer per call (``read_into``
+takes the caller's; ``get_many`` takes a reused one, `kvpilot.store.buffers`), a run of
+consecutive slots in one ``preadv``.
 """
 
 from __future__ import annotations
