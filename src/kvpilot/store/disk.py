@@ -71,12 +71,13 @@ class _Put:
 class DiskBlockStore:
     """Blocks keyed by their 16-byte chained hash, in fixed-size slots on disk.
 
-    ``put`` only queues: a background writer thread writes, fsyncs, then commits the index
-    (group commit over everything queued meanwhile), and resolves the returned future with True
-    (stored, or already present) or False (refused or failed). When no slot is free, a put
-    evicts the least recently used unpinned block (reads and repeated puts count as use); if
-    every stored block is pinned the put is refused with False. Writes are best-effort: an I/O
-    error resolves the future with False and counts ``stats.write_errors``.
+    ``put`` only queues: background threads write, fsync, then commit the index (group commit
+    over everything queued meanwhile), and resolve the returned future with True (stored:
+    durable and indexed, or already present) or False (refused or failed). When no slot is
+    free, a put evicts the least recently used unpinned block (reads and repeated puts count
+    as use); if every stored block is pinned the put is refused with False. Writes are
+    best-effort: an I/O error resolves the future with False and counts
+    ``stats.write_errors``.
 
     ``get`` reads on the caller's thread (``get_async`` on a reader thread) and verifies every
     block; a corrupt, truncated or missing block is a miss that drops its row. Blocks come
