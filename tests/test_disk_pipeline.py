@@ -185,13 +185,19 @@ def test_sync_points_never_vouch_for_writes_a_failed_fsync_may_have_dropped() ->
 # -- BatchWriter --------------------------------------------------------------------------------
 
 
-def test_batch_writer_close_waits_for_batches_that_finish_on_another_thread() -> None:
-    later: list[Future[list[int]]] = []
+class SlowCallbacks(Future[list[int]]):
+    """Tells its waiters it is done a while before it runs its callbacks (as `Future` does,
+    only slower): what resolves a batch's jobs runs in that window."""
 
+    def _invoke_callbacks(self) -> None:
+        time.sleep(0.1)
+        super()._invoke_callbacks()
+
+
+def test_batch_writer_close_waits_until_every_batchs_jobs_are_resolved() -> None:
     def process(items: list[int]) -> Future[list[int]]:
-        done: Future[list[int]] = Future()
-        later.append(done)
-        threading.Timer(0.2, lambda: done.set_result([i * 10 for i in items])).start()
+        done = SlowCallbacks()
+        threading.Timer(0.1, lambda: done.set_result([i * 10 for i in items])).start()
         return done
 
     writer: BatchWriter[int, int] = BatchWriter(process, name="test-writer")

@@ -74,8 +74,9 @@ class StagedWrites:
                 np.copyto(into[j * b : j * b + len(data)], np.frombuffer(data, np.uint8))
                 sums.append(digest(staging[j * b : j * b + len(data)]))
                 writes.append((slot, staging[j * b : (j + 1) * b]))
-            self._last[n] = self._io.submit(self._write_share, write_slots, writes)
-            shares.append(self._last[n])  # type: ignore[arg-type]
+            share = self._io.submit(self._write_share, write_slots, writes)
+            self._last[n] = share
+            shares.append(share)
             self.submitted += 1
         done: Future[int] = Future()
         seq = self.submitted

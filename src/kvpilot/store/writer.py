@@ -7,7 +7,7 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, wait
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -47,7 +47,8 @@ class BatchWriter(Generic[T, R]):
         self._lock = threading.Lock()
         self._pending = 0
         self._closed = False
-        self._unfinished: set[Future[list[R]]] = set()  # batches processed, not done yet
+        self._unfinished: set[Future[list[R]]] = set()  # batches processed, jobs not resolved
+        self._finished = threading.Condition(self._lock)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -70,9 +71,8 @@ class BatchWriter(Generic[T, R]):
             self._closed = True
             self._queue.put(None)
         self._thread.join()
-        with self._lock:
-            unfinished = list(self._unfinished)
-        wait(unfinished)
+        with self._finished:  # every batch's jobs resolved (its future's waiters are told first)
+            self._finished.wait_for(lambda: not self._unfinished)
 
     def _enqueue(self, items: Sequence[T], *, single: bool) -> Future[Any]:
         future: Future[Any] = Future()
@@ -119,17 +119,21 @@ class BatchWriter(Generic[T, R]):
         error = done.exception()
         with self._lock:
             self._pending -= sum(len(job.items) for job in batch)
-            self._unfinished.discard(done)
-        if error is not None:
+        try:
+            if error is not None:
+                for job in live:
+                    job.future.set_exception(error)
+                return
+            results = done.result()
+            start = 0
             for job in live:
-                job.future.set_exception(error)
-            return
-        results = done.result()
-        start = 0
-        for job in live:
-            chunk = results[start : start + len(job.items)]
-            start += len(job.items)
-            job.future.set_result(chunk[0] if job.single else chunk)
+                chunk = results[start : start + len(job.items)]
+                start += len(job.items)
+                job.future.set_result(chunk[0] if job.single else chunk)
+        finally:
+            with self._finished:
+                self._unfinished.discard(done)
+                self._finished.notify_all()
 
 
 def _done(value: list[R]) -> Future[list[R]]:
