@@ -12,7 +12,7 @@ from kvpilot.engine.config import EngineConfig
 from kvpilot.engine.engine import Engine
 from kvpilot.errors import ConfigError
 from kvpilot.sim.build import SimSetup, build_engine, kv_pool_blocks, run_simulation
-from kvpilot.sim.drivers import ReplayDriver
+from kvpilot.sim.drivers import AgentDriver, ReplayDriver
 from kvpilot.sim.policies import apply_policy, resolve_policy
 from kvpilot.sim.profile import CalibratedCostModel, StepProfile
 from kvpilot.sim.replay import ReplayCall, ReplaySession
@@ -420,3 +420,25 @@ def test_without_a_host_tier_nothing_moves() -> None:
         setup(duration_s=100.0, host_kv_bytes_per_device=0), wl, policy="offload-host"
     )
     assert result.bytes_moved == 0 and result.extra["host_blocks"] == 0
+
+
+def test_samples_take_the_gauges_a_snapshot_shows() -> None:
+    """The simulator samples `Engine.load_gauges` (cheaper than a snapshot): every sample
+    row holds the snapshot's own figures at that moment."""
+    s = setup(kv_blocks=300, duration_s=40.0)
+    wl = workload(arrival={"concurrent": 12, "ramp_s": 2})
+    engine, _ = build_engine(s, wl.vocab_size)
+    sim = Simulator(engine, duration_s=s.duration_s, sample_interval_s=0.5)
+    rows = sim.samples
+    seen: list[tuple[float, int, int]] = []
+
+    def check(_now: float) -> None:  # called right after each sample is taken
+        snap = engine.snapshot()
+        assert (rows.kv_usage[-1], rows.kv_held[-1]) == (snap.kv_usage, snap.kv_held)
+        assert (rows.running[-1], rows.waiting[-1]) == (snap.running, snap.waiting)
+        assert rows.resident[-1] == snap.resident_trajectories
+        seen.append((snap.kv_usage, snap.running, snap.resident_trajectories))
+
+    sim.on_progress = check
+    sim.run(AgentDriver(wl, engine.max_model_len))
+    assert len(seen) >= 70 and any(r for _, r, _ in seen) and any(u > 0.1 for u, _, _ in seen)

@@ -35,7 +35,7 @@ from kvpilot.engine.request import (
 from kvpilot.engine.sampling import SamplingParams
 from kvpilot.engine.scheduler import Scheduler, SchedulerOutput
 from kvpilot.engine.session import Session, SessionTable
-from kvpilot.engine.snapshot import EngineSnapshot, take_snapshot
+from kvpilot.engine.snapshot import EngineSnapshot, LoadGauges, load_gauges, take_snapshot
 from kvpilot.engine.stats import EngineStats
 from kvpilot.errors import InvalidRequest
 from kvpilot.memory import KVConfig, KVManager, Tier
@@ -434,6 +434,10 @@ class Engine:
         simulator read."""
         parts = (self.config, self.kv, self.scheduler, self.stats, self.offload)
         return take_snapshot(self.clock.now(), *parts, open_sessions=len(self.sessions))
+
+    def load_gauges(self) -> LoadGauges:
+        """The snapshot's usage and queue gauges alone, for frequent sampling."""
+        return load_gauges(self.kv, self.scheduler)
 
     def check_invariants(self) -> None:
         self.kv.check_invariants()

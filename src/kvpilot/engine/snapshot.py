@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from kvpilot.memory import Tier
 
@@ -152,6 +152,28 @@ class EngineSnapshot:
         return int(sum(self.bytes_moved.values()))
 
 
+class LoadGauges(NamedTuple):
+    """The few gauges the simulator samples every interval, as a snapshot has them."""
+
+    kv_usage: float
+    kv_held: float
+    running: int
+    waiting: int
+    resident_trajectories: int
+
+
+def load_gauges(kv: KVManager, scheduler: Scheduler) -> LoadGauges:
+    """`LoadGauges` now, without the rest of a snapshot's cost (one pass over the open
+    trajectories)."""
+    return LoadGauges(
+        kv_usage=kv.device.usage,
+        kv_held=scheduler.held_usage(),
+        running=len(scheduler.running),
+        waiting=len(scheduler.waiting),
+        resident_trajectories=sum(1 for t in kv.trajectories.values() if t.block_table),
+    )
+
+
 def take_snapshot(
     now: float,
     config: EngineConfig,
@@ -176,13 +198,14 @@ def take_snapshot(
     stored = len(disk) if disk is not None else 0
     tiers[Tier.DISK.value] = TierUsage(disk.num_slots if disk is not None else 0, stored, stored)
     ts = offload.stats
+    gauges = load_gauges(kv, scheduler)
     return EngineSnapshot(
         time_s=now,
-        running=len(scheduler.running),
-        waiting=len(scheduler.waiting),
+        running=gauges.running,
+        waiting=gauges.waiting,
         open_sessions=open_sessions,
         sessions_by_state=session_state_counts(scheduler, offload, open_sessions),
-        resident_trajectories=sum(1 for t in kv.trajectories.values() if t.block_table),
+        resident_trajectories=gauges.resident_trajectories,
         steps=stats.steps,
         step_time_s=stats.step_time_s,
         prompt_tokens=stats.prompt_tokens,
@@ -196,8 +219,8 @@ def take_snapshot(
         admissions_deferred=scheduler.num_deferred_admissions,
         forks=stats.forks,
         fork_copied_blocks=stats.fork_copied_blocks,
-        kv_usage=kv.device.usage,
-        kv_held=scheduler.held_usage(),
+        kv_usage=gauges.kv_usage,
+        kv_held=gauges.kv_held,
         tau_high=config.scheduler.tau_high,
         window=window_usage(kv),
         prefix_queried_tokens=radix.stats.queried_tokens,
