@@ -4,13 +4,16 @@ by id does, and returns the same ids."""
 
 from __future__ import annotations
 
+from array import array
+
+import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from kvpilot.engine import Engine, SamplingParams
 from kvpilot.engine.clock import VirtualClock
-from kvpilot.engine.request import RequestLimits
+from kvpilot.engine.request import RequestLimits, encode_prompt
 from kvpilot.errors import InvalidRequest, PromptTooLong
 
 from fake_executor import FakeExecutor
@@ -70,3 +73,66 @@ def test_an_id_outside_int32_leaves_a_paused_session_paused() -> None:
     assert session.last_pause is not None and session.idle
     assert len(session.traj.tokens) == 5
     engine.check_invariants()
+
+
+Converted = tuple[list[int], list[int]] | str  # (tokens, int32 ids), or the error
+
+
+def full_path(limits: RequestLimits, prompt: object, history: int) -> Converted:
+    """encode_prompt then check_prompt, one after the other (the error's message if refused)."""
+    try:
+        tokens = encode_prompt(None, prompt, add_special_tokens=True)  # type: ignore[arg-type]
+        return tokens, limits.check_prompt(tokens, history).tolist()
+    except InvalidRequest as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+
+def one_pass(limits: RequestLimits, prompt: object, history: int) -> Converted:
+    try:
+        tokens, ids = limits.prompt_ids(
+            None,
+            prompt,  # type: ignore[arg-type]
+            history,
+            add_special_tokens=True,
+        )
+    except InvalidRequest as exc:
+        return f"{type(exc).__name__}: {exc}"
+    assert all(type(t) is int for t in tokens)
+    return tokens, ids.tolist()
+
+
+prompt_items = st.one_of(ids, st.booleans(), st.floats(allow_nan=False), st.just(np.int64(7)))
+
+
+@given(
+    st.lists(prompt_items, max_size=12),
+    st.sampled_from(["list", "array('i')", "array('q')", "tuple"]),
+    st.sampled_from([None, 500, INT32]),
+    st.integers(0, 12),
+)
+@example([1, 2, 3], "list", None, 9)  # too long with its history
+@example([1, 2, 3], "array('i')", 500, 9)
+@example([], "array('i')", None, 0)
+@example([True, 2], "list", 500, 0)
+def test_prompt_ids_accepts_and_refuses_what_the_full_path_does(
+    items: list[object], form: str, vocab: int | None, history: int
+) -> None:
+    """`prompt_ids` converts a list or an int32 array once; whatever the prompt, the ids,
+    the token list and every error (its type and message) are the full path's."""
+    limits = RequestLimits(max_model_len=10, vocab_size=vocab, kv_blocks=64, block_size=4)
+    prompt: object = items
+    if form != "list":
+        code = form[7] if form.startswith("array") else ""
+        try:
+            prompt = array(code, items) if code else tuple(items)  # type: ignore[arg-type]
+        except (TypeError, OverflowError):
+            return  # not an array of that type: nothing to compare
+    assert one_pass(limits, prompt, history) == full_path(limits, prompt, history)
+
+
+def test_prompt_ids_copies_an_int32_array() -> None:
+    limits = RequestLimits(max_model_len=30, vocab_size=500, kv_blocks=64, block_size=4)
+    prompt = array("i", [3, 4, 5])
+    tokens, held = limits.prompt_ids(None, prompt, 0, add_special_tokens=True)
+    prompt[0] = 9
+    assert tokens == [3, 4, 5] and held.tolist() == [3, 4, 5]

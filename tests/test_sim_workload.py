@@ -64,6 +64,21 @@ def test_equal_content_seeds_give_equal_ids() -> None:
     assert g.content(42, 100) != g.content(43, 100)
 
 
+@pytest.mark.parametrize("vocab", [32000, 2**31, 2**31 + 7, 2**40])
+def test_id_arrays_hold_the_same_ids_as_the_lists(vocab: int) -> None:
+    """What the drivers send (arrays: int32 when the vocabulary allows, so the engine takes
+    them without converting id by id) is the same ids as the lists."""
+    g = WorkloadGenerator(WorkloadConfig(seed=5, vocab_size=vocab))
+    spec = g.trajectory(2)
+    first = g.first_prompt_ids(spec)
+    assert first.tolist() == g.first_prompt(spec)
+    assert first.typecode == ("i" if vocab <= 2**31 else "q")
+    for turn in spec.turns:
+        ids = g.content_ids(turn.content_seed, turn.new_tokens)
+        assert ids.tolist() == g.content(turn.content_seed, turn.new_tokens)
+        assert ids.typecode == first.typecode
+
+
 def test_volatile_token_position_follows_the_zone() -> None:
     for where, expected in (("head", 0), ("system", 300), ("tools", 500)):
         config = WorkloadConfig(system_tokens=300, tool_tokens=200, volatile_after=where)

@@ -176,8 +176,9 @@ class Engine:
             self.sessions.check_turn(session, params)
             salt = session.salt
         history = len(session.traj.tokens) if session is not None else 0
-        tokens = self.encode(prompt, add_special_tokens=history == 0)
-        ids = self.limits.check_prompt(tokens, history)  # int32, what the trajectory holds
+        tokens, ids = self.limits.prompt_ids(  # ids: int32, what the trajectory holds
+            self.tokenizer, prompt, history, add_special_tokens=history == 0
+        )
         rid = request_id or f"req-{next(self._request_ids)}"
         if rid in self.requests:
             raise InvalidRequest(f"request id {rid!r} is already in use")

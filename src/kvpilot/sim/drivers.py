@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+from array import array
 from dataclasses import dataclass
 
 from kvpilot.engine.request import RequestOutput
@@ -88,7 +89,7 @@ class AgentDriver:
         session = self.sim.engine.open_session()
         actor = _Actor(next(self._uids), spec, spec.turns, session)
         self.started += 1
-        prompt = self.generator.first_prompt(spec)
+        prompt = self.generator.first_prompt_ids(spec)
         if self._unstable:
             prompt.insert(self._volatile_at, self._volatile(actor))
         self._send(actor, prompt)
@@ -96,7 +97,7 @@ class AgentDriver:
     def _volatile(self, actor: _Actor) -> int:
         return self.generator.volatile_token(actor.uid, actor.calls)
 
-    def _send(self, actor: _Actor, prompt: list[int]) -> None:
+    def _send(self, actor: _Actor, prompt: list[int] | array) -> None:
         turn = actor.turns[actor.turn]
         actor.calls += 1
         self.calls += 1
@@ -116,7 +117,7 @@ class AgentDriver:
 
     def _next_call(self, actor: _Actor) -> None:
         turn = actor.turns[actor.turn]
-        new = self.generator.content(turn.content_seed, turn.new_tokens)
+        new = self.generator.content_ids(turn.content_seed, turn.new_tokens)
         if not self._unstable:
             self._send(actor, new)
             return
@@ -125,7 +126,7 @@ class AgentDriver:
         context[v] = self._volatile(actor)
         actor.session.close()
         actor.session = self.sim.engine.open_session()
-        self._send(actor, context + new)
+        self._send(actor, context + new.tolist())
 
     def _done(self, actor: _Actor, out: RequestOutput) -> None:
         fork = actor.turns[actor.turn].fork

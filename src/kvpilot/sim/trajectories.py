@@ -9,6 +9,7 @@ function of its seed.
 from __future__ import annotations
 
 import random
+from array import array
 from dataclasses import dataclass
 
 import numpy as np
@@ -60,6 +61,7 @@ class WorkloadGenerator:
         hi = config.vocab_size
         self.system_ids = _ids((config.seed, 1), config.system_tokens, hi)
         self.tool_ids = _ids((config.seed, 2), config.tool_tokens, hi)
+        self._shared = array(_typecode(hi), self.system_ids + self.tool_ids)
 
     @property
     def shared_ids(self) -> list[int]:
@@ -77,6 +79,11 @@ class WorkloadGenerator:
         """``n`` token ids of content identified by ``seed`` (same seed, same ids)."""
         return _ids((self.config.seed, 3, seed), n, self.config.vocab_size)
 
+    def content_ids(self, seed: int, n: int) -> array:
+        """`content` as an int32 array (int64 for a vocabulary beyond int32): what the engine
+        holds, so a prompt of it is not converted id by id (`RequestLimits.prompt_ids`)."""
+        return _id_array((self.config.seed, 3, seed), n, self.config.vocab_size)
+
     def volatile_token(self, traj_index: int, call_index: int) -> int:
         rng = random.Random(f"{self.config.seed}:volatile:{traj_index}:{call_index}")
         return rng.randrange(1, self.config.vocab_size)
@@ -85,6 +92,11 @@ class WorkloadGenerator:
         """``system + tools + task`` (the volatile token is the caller's, if unstable)."""
         first = spec.turns[0]
         return self.shared_ids + self.content(first.content_seed, first.new_tokens)
+
+    def first_prompt_ids(self, spec: TrajectorySpec) -> array:
+        """`first_prompt` as an array (`content_ids`)."""
+        first = spec.turns[0]
+        return self._shared + self.content_ids(first.content_seed, first.new_tokens)
 
     def trajectory(self, index: int) -> TrajectorySpec:
         cfg = self.config
@@ -153,9 +165,27 @@ def _mix64(x: int) -> int:
 
 
 def _ids(key: tuple[int, ...], n: int, vocab_size: int) -> list[int]:
-    """``n`` token ids in [1, vocab_size) that are a pure function of ``key``: a counter
-    hashed by splitmix64 (one vectorised pass; a seeded generator costs far more per call
-    than the ids it draws, and a simulation draws a turn's content at every call)."""
+    """``n`` token ids in [1, vocab_size) that are a pure function of ``key``."""
+    return _hashed_ids(key, n, vocab_size).tolist()
+
+
+def _typecode(vocab_size: int) -> str:
+    return "i" if vocab_size <= 1 << 31 else "q"
+
+
+def _id_array(key: tuple[int, ...], n: int, vocab_size: int) -> array:
+    """`_ids` as an array (int32 when the vocabulary allows), copied from numpy's buffer."""
+    code = _typecode(vocab_size)
+    x = _hashed_ids(key, n, vocab_size).astype(np.int32 if code == "i" else np.int64)
+    out = array(code)
+    out.frombytes(x.tobytes())
+    return out
+
+
+def _hashed_ids(key: tuple[int, ...], n: int, vocab_size: int) -> np.ndarray:
+    """The ids of `_ids`: a counter hashed by splitmix64 (one vectorised pass; a seeded
+    generator costs far more per call than the ids it draws, and a simulation draws a turn's
+    content at every call)."""
     seed = 0
     for part in key:
         seed = _mix64(((seed ^ (part & _MASK64)) + 0x9E3779B97F4A7C15) & _MASK64)
@@ -168,4 +198,4 @@ def _ids(key: tuple[int, ...], n: int, vocab_size: int) -> list[int]:
     x ^= x >> np.uint64(31)
     x %= np.uint64(vocab_size - 1)
     x += np.uint64(1)
-    return x.tolist()
+    return x
