@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import itertools
 import random
 
@@ -393,3 +394,33 @@ def test_snapshot_is_a_frozen_copy_of_the_engine_figures() -> None:
         after.steps = 0  # type: ignore[misc]
     engine.generate([prompt(2, 40)], SamplingParams(max_tokens=5))
     assert after.generated_tokens == 5 and engine.snapshot().generated_tokens == 10
+
+
+def test_finished_requests_are_freed_without_the_cyclic_collector() -> None:
+    """A finished request lets go of its sequences (which refer back to it) once its output
+    is filed: plain, forked, session and aborted requests are all freed by reference
+    counting, and a released request still reads as finished."""
+    from kvpilot.engine.request import Request
+
+    gc.collect()
+    gc.disable()
+    try:
+        engine = make_engine()
+        outs = engine.generate([prompt(1, 40), prompt(2, 9)], SamplingParams(max_tokens=5))
+        engine.generate(prompt(3, 20), SamplingParams(max_tokens=4, n=3))
+        session = engine.open_session()
+        session.generate(prompt(4, 30), SamplingParams(max_tokens=3))
+        rid = engine.add_request(prompt(5, 30), SamplingParams(max_tokens=50))
+        engine.step()
+        engine.abort(rid)
+        held = engine.requests.get(rid)
+        live = [o for o in gc.get_objects() if type(o) is Request]
+        assert held is None and live == [], live
+        assert all(o.finished and o.outputs[0].token_ids for o in outs)
+    finally:
+        gc.enable()
+    kept = engine.requests[engine.add_request(prompt(6, 10), SamplingParams(max_tokens=2))]
+    run_checked(engine)
+    assert kept.released and kept.finished and not kept.seqs
+    with pytest.raises(AssertionError, match="only a finished request"):
+        Request("r", [1], SamplingParams(), 0.0, seed=1).release()

@@ -355,6 +355,7 @@ class Engine:
         if request.session_id is not None:
             self.sessions.end_turn(request, output)
         del self.requests[request.request_id]
+        request.release()
 
     # -- outputs ----------------------------------------------------------------------
 

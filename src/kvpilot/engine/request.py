@@ -84,6 +84,7 @@ class Request:
     resumed: bool = False  # a paused session's next turn
     pause_hint: PauseHint | None = None  # pause when the turn ends
     cached_by_tier: dict[Tier, int] = field(default_factory=_NO_HITS.copy)
+    released: bool = False  # finished and filed: its sequences are let go (`release`)
 
     def set_cached_by_tier(self, host_tokens: int, disk_tokens: int) -> None:
         """Split the prefix hit by the tier it came from (loads of host and disk blocks)."""
@@ -95,8 +96,18 @@ class Request:
             Tier.DISK: disk,
         }
 
+    def release(self) -> None:
+        """The engine has filed this finished request's output: let its sequences go. They
+        refer back to it, so until then the two form a cycle that only the cyclic garbage
+        collector frees, and its passes walk every young token list on the way."""
+        assert self.finished, "only a finished request is released"
+        self.released = True
+        self.seqs = []
+
     @property
     def finished(self) -> bool:
+        if self.released:
+            return True
         seqs = self.seqs
         if len(seqs) == 1 and self.params.n == 1:
             return seqs[0].status is SeqStatus.FINISHED
