@@ -269,12 +269,14 @@ class Engine:
     ) -> list[RequestOutput]:
         block = self.kv.block_size
         caching = self.config.scheduler.enable_prefix_caching
+        observe_computed = self.offload.observe_computed
+        append_token = self._append_token
         progressed: dict[str, Request] = {}
-        for item in sched.scheduled:
+        for item in sched.scheduled:  # hot path: every running sequence, every step
             seq = item.seq
             traj = seq.traj
             traj.mark_computed(item.num_tokens)
-            self.offload.observe_computed(traj)
+            observe_computed(traj)
             if caching and traj.num_computed_tokens // block > traj.locked_tokens // block:
                 traj.commit()
             if not item.sample:
@@ -285,7 +287,7 @@ class Engine:
             if len(tokens) > 1:
                 self._fan_out(seq, tokens, now)
             else:
-                self._append_token(seq, tokens[0], now)
+                append_token(seq, tokens[0], now)
         for request in progressed.values():
             self._finish_request_if_done(request)
         if not snapshots:

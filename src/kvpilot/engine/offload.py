@@ -316,12 +316,11 @@ class OffloadManager:
     def poll(self, idle: Callable[[], Seq[PausableSession]]) -> None:
         """Finish transfers that are done, fire due timers, account idle memory-time."""
         now = self.now()
-        if self.mover.transport is not None or self.records:
-            when, held = self._held_sample
-            if now - when >= IDLE_SAMPLE_S:
-                self.stats.idle_gb_s += held * (now - when) / 1e9
-                held = sum([pricing.held_blocks(s.traj) for s in idle()]) * self.block_bytes
-                self._held_sample = (now, held)
+        when, held = self._held_sample
+        if now - when >= IDLE_SAMPLE_S and (self.mover.transport is not None or self.records):
+            self.stats.idle_gb_s += held * (now - when) / 1e9
+            held = sum([pricing.held_blocks(s.traj) for s in idle()]) * self.block_bytes
+            self._held_sample = (now, held)
         if self.mover.busy():
             self._finish_loads()
         self.timers.fire_due(now)

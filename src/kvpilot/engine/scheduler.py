@@ -167,27 +167,39 @@ class Scheduler:
 
     # -- one step ---------------------------------------------------------------------
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self) -> SchedulerOutput:  # hot path: once per engine step
         cfg = self.config
         budget = cfg.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
+        works: list[SeqWork] = []
         preempted: list[Sequence] = []
         starved: list[Sequence] = []
+        prefill = 0
+        running = self.running
+        block = self.kv.block_size
 
         i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            n = self._chunk(seq, budget)
-            if not self._try_allocate(seq, n):
-                if len(self.running) == 1:
+        while i < len(running) and budget > 0:
+            seq = running[i]
+            traj = seq.traj
+            computed = traj.num_computed_tokens
+            remaining = len(traj.tokens) - computed
+            n = self._chunk_of(remaining, budget)
+            # Most decode steps need no new block: `_try_allocate`'s own first test, inline.
+            if computed + n > len(traj.block_table) * block and not self._try_allocate(seq, n):
+                if len(running) == 1:
                     if self.copies_in_flight is not None and self.copies_in_flight():
                         break  # blocks pinned by copies come free when they finish: wait
-                    self.running.remove(seq)
+                    running.remove(seq)
                     starved.append(seq)
                     break
                 if not self._preempt_until_allocated(seq, n, preempted):
                     break  # seq preempted itself: everything after it is gone too
-            scheduled.append(ScheduledSeq(seq, n, n == seq.remaining_tokens))
+            item = ScheduledSeq(seq, n, n == remaining)
+            scheduled.append(item)
+            works.append(self._work(item))
+            if n > 1 or n != remaining:
+                prefill += n
             budget -= n
             i += 1
 
@@ -227,12 +239,14 @@ class Scheduler:
             self.resident_at_add.pop(seq.seq_id, None)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
-            scheduled.append(ScheduledSeq(seq, n, n == seq.remaining_tokens))
+            item = ScheduledSeq(seq, n, n == seq.remaining_tokens)
+            scheduled.append(item)
+            works.append(self._work(item))
+            if n > 1 or not item.sample:
+                prefill += n
             budget -= n
 
-        works = [self._work(s) for s in scheduled]
-        prefill = sum(s.num_tokens for s in scheduled if s.num_tokens > 1 or not s.sample)
-        total = sum(s.num_tokens for s in scheduled)
+        total = cfg.max_num_batched_tokens - budget
         return SchedulerOutput(
             scheduled, works, preempted, starved, total, prefill, total - prefill
         )
@@ -261,7 +275,10 @@ class Scheduler:
         return not self.running
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
-        remaining = seq.remaining_tokens
+        return self._chunk_of(seq.remaining_tokens, budget)
+
+    def _chunk_of(self, remaining: int, budget: int) -> int:
+        """Tokens to compute this step of ``remaining`` within ``budget``."""
         if not self.config.chunked_prefill:
             return remaining
         return max(1, min(remaining, self.config.max_prefill_chunk, budget))
