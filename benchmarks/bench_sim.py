@@ -90,7 +90,9 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
         (
             "engine.py:add_request",
             "engine.py:encode",
-            "engine.py:_validate_tokens",
+            "request.py:prompt_ids",
+            "request.py:int32_prompt",
+            "request.py:_check_vocabulary",
             "engine.py:<listcomp>",
         ),
     ),
