@@ -3,6 +3,7 @@ behaviour (tool waits, forks, layouts, stalls), determinism and policies."""
 
 from __future__ import annotations
 
+from array import array
 from typing import Any
 
 import pytest
@@ -442,3 +443,23 @@ def test_samples_take_the_gauges_a_snapshot_shows() -> None:
     sim.on_progress = check
     sim.run(AgentDriver(wl, engine.max_model_len))
     assert len(seen) >= 70 and any(r for _, r, _ in seen) and any(u > 0.1 for u, _, _ in seen)
+
+
+def test_inter_token_latencies_are_kept_as_float32_of_the_engine_figures() -> None:
+    """Each sample moves the engine's ITLs to the simulator's float32 log: the same values,
+    rounded as ``array("f")`` rounds them, in the same order."""
+    s = setup(kv_blocks=300, duration_s=30.0)
+    wl = workload(arrival={"concurrent": 10, "ramp_s": 2})
+    engine, _ = build_engine(s, wl.vocab_size)
+    sim = Simulator(engine, duration_s=s.duration_s, sample_interval_s=0.5)
+    seen: list[float] = []
+    sample = sim._sample
+
+    def recording_sample(now: float) -> None:
+        seen.extend(engine.stats.itl_s)
+        sample(now)
+
+    sim._sample = recording_sample  # type: ignore[method-assign]
+    sim.run(AgentDriver(wl, engine.max_model_len))
+    assert len(seen) > 1000 and len(set(seen)) > 10
+    assert sim.itl_s.tobytes() == array("f", seen).tobytes()

@@ -170,7 +170,7 @@ def load_gauges(kv: KVManager, scheduler: Scheduler) -> LoadGauges:
         kv_held=scheduler.held_usage(),
         running=len(scheduler.running),
         waiting=len(scheduler.waiting),
-        resident_trajectories=sum(1 for t in kv.trajectories.values() if t.block_table),
+        resident_trajectories=len([t for t in kv.trajectories.values() if t.block_table]),
     )
 
 
