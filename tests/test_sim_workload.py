@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from kvpilot.errors import ConfigError
 from kvpilot.sim.distributions import Dist, parse_dist
-from kvpilot.sim.trajectories import WorkloadGenerator
+from kvpilot.sim.trajectories import _MASK64, WorkloadGenerator, _ids, _mix64
 from kvpilot.sim.workload import DEFAULT_WORKLOAD_YAML, WorkloadConfig
 
 
@@ -193,3 +193,17 @@ def test_a_shared_prefix_longer_than_the_context_is_an_error() -> None:
     config = WorkloadConfig(system_tokens=5000, tool_tokens=0, max_context_tokens=5001)
     with pytest.raises(ConfigError, match="no room"):
         WorkloadGenerator(config).trajectory(0)
+
+
+@given(
+    st.lists(st.integers(0, 2**64 - 1), min_size=1, max_size=3),
+    st.integers(0, 40),
+    st.sampled_from([16, 32000, 2**31, 2**40]),
+)
+def test_content_ids_are_splitmix64_of_a_counter(key: list[int], n: int, vocab: int) -> None:
+    """The vectorised hash is `_mix64` of ``seed + j`` (mod 2**64), id by id."""
+    seed = 0
+    for part in key:
+        seed = _mix64(((seed ^ part) + 0x9E3779B97F4A7C15) & _MASK64)
+    expected = [1 + _mix64((seed + j) & _MASK64) % (vocab - 1) for j in range(n)]
+    assert _ids(tuple(key), n, vocab) == expected

@@ -191,11 +191,21 @@ def _hashed_ids(key: tuple[int, ...], n: int, vocab_size: int) -> np.ndarray:
         seed = _mix64(((seed ^ (part & _MASK64)) + 0x9E3779B97F4A7C15) & _MASK64)
     x = np.arange(n, dtype=np.uint64)
     x += np.uint64(seed)  # array arithmetic wraps modulo 2**64, as the hash wants
-    x ^= x >> np.uint64(30)
-    x *= np.uint64(0xBF58476D1CE4E5B9)
-    x ^= x >> np.uint64(27)
-    x *= np.uint64(0x94D049BB133111EB)
-    x ^= x >> np.uint64(31)
+    shifted = np.empty_like(x)  # one scratch array for the three shifts
+    for shift, mul in _MIX_STEPS:
+        np.right_shift(x, shift, out=shifted)
+        x ^= shifted
+        if mul is not None:
+            x *= mul
     x %= np.uint64(vocab_size - 1)
-    x += np.uint64(1)
+    x += _ONE
     return x
+
+
+# `_mix64` as array operations: x ^= x >> 30; x *= M1; x ^= x >> 27; x *= M2; x ^= x >> 31.
+_MIX_STEPS = (
+    (np.uint64(30), np.uint64(0xBF58476D1CE4E5B9)),
+    (np.uint64(27), np.uint64(0x94D049BB133111EB)),
+    (np.uint64(31), None),
+)
+_ONE = np.uint64(1)
