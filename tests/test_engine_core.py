@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import itertools
 import random
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -424,3 +425,48 @@ def test_finished_requests_are_freed_without_the_cyclic_collector() -> None:
     assert kept.released and kept.finished and not kept.seqs
     with pytest.raises(AssertionError, match="only a finished request"):
         Request("r", [1], SamplingParams(), 0.0, seed=1).release()
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.lists(st.tuples(st.integers(1, 70), st.integers(1, 6)), min_size=1, max_size=8),
+    st.integers(1, 12),
+    st.integers(1, 40),
+)
+def test_a_steps_token_counts_add_up_its_scheduled_work(
+    requests: list[tuple[int, int]], budget: int, chunk: int
+) -> None:
+    """Every step's counts are its scheduled work's: batched = all tokens, prefill = the
+    chunks that do not sample or take more than one token (a one-token chunk of a longer
+    prompt included), decode = the rest; each work carries its sequence's next tokens."""
+    engine = make_engine(max_num_batched_tokens=budget, max_prefill_chunk=chunk)
+    schedule = engine.scheduler.schedule
+    seen = {"prefill": 0}
+
+    def checked() -> Any:
+        out = schedule()
+        items = out.scheduled
+        assert out.num_batched_tokens == sum(s.num_tokens for s in items)
+        prefill = sum(s.num_tokens for s in items if s.num_tokens > 1 or not s.sample)
+        assert out.num_prefill_tokens == prefill
+        assert out.num_decode_tokens == out.num_batched_tokens - prefill
+        for s, w in zip(items, out.works, strict=True):
+            traj = s.seq.traj
+            assert w.seq_id == s.seq.seq_id and w.start_pos == traj.num_computed_tokens
+            assert list(w.token_ids) == traj.tokens[w.start_pos : w.start_pos + s.num_tokens]
+        seen["prefill"] += prefill
+        return out
+
+    engine.scheduler.schedule = checked  # type: ignore[method-assign]
+    for i, (length, max_tokens) in enumerate(requests):
+        engine.add_request(prompt(i, length), SamplingParams(max_tokens=max_tokens))
+    run_checked(engine)
+    assert engine.stats.prefill_tokens == seen["prefill"]
+
+
+def test_a_one_token_chunk_of_a_prompt_counts_as_prefill() -> None:
+    engine = make_engine(max_num_batched_tokens=3, max_prefill_chunk=8)
+    for i in range(3):
+        engine.add_request(prompt(i, 2), SamplingParams(max_tokens=3))
+    engine.step()  # 2 + 1 of the second prompt
+    assert engine.stats.prefill_tokens == 3 and engine.stats.decode_tokens == 0
