@@ -39,6 +39,7 @@ the engine between steps (the simulator's telemetry samples) need not end runs f
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Collection, Iterator, Sequence
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
@@ -166,8 +167,9 @@ def advance_decode_run(
         # Steps up to and including the one sampling the last token (max_tokens, length);
         # that one is left to step() unless the run may finish this sequence.
         last = min(params.max_tokens - len(seq.output_token_ids), engine.max_model_len - tokens)
-        may_finish = finished is not None and _session_turn(engine, seq)
-        k_max = min(k_max, last if may_finish else last - 1)
+        if last <= k_max:  # else it does not bound the run, finishing or not
+            may_finish = finished is not None and _session_turn(engine, seq)
+            k_max = min(k_max, last if may_finish else last - 1)
         stop: Collection[int] = params.stop_token_ids
         if not params.ignore_eos and engine.eos_token_ids:
             stop = frozenset(stop) | engine.eos_token_ids
@@ -181,17 +183,16 @@ def advance_decode_run(
         len(seq.traj.block_table) * block - p for seq, p in zip(running, positions, strict=True)
     ]
     free = kv.free_blocks()
-    k = 0
     durations: list[float] = []
     starts = [now]
     t = now
     for dt in times(positions):  # step k starts at t: take it if it starts before `until`
-        if k == k_max or (k and t >= until):
-            break
         t += dt
         durations.append(dt)
         starts.append(t)
-        k += 1
+        if t >= until or len(durations) == k_max:
+            break
+    k = len(durations)
     while k and sum(_blocks_by(k, f, block) for f in firsts) > free:
         k -= 1
     sampled = []
@@ -225,14 +226,25 @@ def _record_itls(
     itl: list[float], running: list[Seq], run: _Run, a: int, b: int, last: int
 ) -> None:
     """Record the inter-token latencies of the run's steps ``a .. b-1`` (``last``: how many
-    tokens its final step counts)."""
+    tokens its final step counts), in step order, each step's once per token it counts."""
     starts = run.starts
     if a == 0 and b > 0:
         itl.extend([starts[1] - seq.last_token_time for seq in running])  # type: ignore[operator]
         a = 1
     k, n = len(run.durations), len(running)
-    for j in range(a, b):
-        itl.extend([starts[j + 1] - starts[j]] * (n if j < k - 1 else last))
+    full = min(b, k - 1)  # steps a .. full-1 count n tokens each
+    if full > a:
+        gaps = [starts[j + 1] - starts[j] for j in range(a, full)]
+        if n < len(gaps):  # fewer slices than steps: interleave n copies of the gaps
+            out = [0.0] * (n * len(gaps))
+            for i in range(n):
+                out[i::n] = gaps
+            itl += out
+        else:
+            for gap in gaps:
+                itl += [gap] * n
+    if b == k and k - 1 >= a:
+        itl += [starts[k] - starts[k - 1]] * last
 
 
 def _apply(
@@ -244,7 +256,11 @@ def _apply(
 ) -> None:
     """Replay ``len(durations)`` decode steps onto the engine, in step order where it matters;
     sequences whose last token the last step samples are finished as `Engine.step` would;
-    ``lookout`` looks at the engine at the boundaries ``looks``."""
+    ``lookout`` looks at the engine at the boundaries ``looks``.
+
+    Only the steps where something happens are visited (a look, an offload poll due, an
+    allocation or a commit); the clock jumps to each one's start: ``starts`` are the sums the
+    clock's own additions would give, so it shows the same times as stepping."""
     positions, firsts, durations, starts, sampled = run
     k = len(durations)
     running = list(engine.scheduler.running)
@@ -266,7 +282,10 @@ def _apply(
         traj = seq.traj
         p = positions[i]
         for j in range(firsts[i], k, block):
-            events.setdefault(j, []).append((False, i))
+            if j in events:
+                events[j].append((False, i))
+            else:
+                events[j] = [(False, i)]
         if commit:
             locked = traj.locked_tokens // block
             first = max(0, (locked + 1) * block - p - 1)  # the first step whose commit adds
@@ -277,56 +296,69 @@ def _apply(
                 if first < last and not _extends_in_place(traj):
                     events.setdefault(first, []).append((True, i))
                 events.setdefault(max(first, last), []).append((True, i))
-        tokens = sampled[i][: k - 1] if i in ending else sampled[i][:k]
-        seq.output_token_ids.extend(tokens)
+        tokens = sampled[i][: k - 1] if ending and i in ending else sampled[i][:k]
+        seq.output_token_ids += tokens
         traj.append_tokens(tokens)
     idle = engine.sessions.idle  # what Engine.step polls with
-    advance = clock.advance  # type: ignore[attr-defined]
+    jump = clock.advance_to  # type: ignore[attr-defined]
     # A poll before next_poll_at is a no-op; the margin only adds harmless early polls.
     poll_at = offload.next_poll_at()
     poll_at -= 1e-9 * max(1.0, abs(poll_at))
-    step_time = stats.step_time_s
     itl = stats.itl_s
     last_count = n - len(ending)  # the last step's tokens (ending sequences' are counted apart)
     recorded = 0  # steps whose inter-token latencies are in itl
-    look_at = looks[0] if looks else k
-    for j in range(k):  # as Engine.step: poll, schedule (allocate), execute, commit
-        if j == look_at:  # the state after j steps, before step j polls and allocates
+    steps = sorted(events)
+    steps.append(k)
+    e = 0  # steps[e]: the next step with allocations or commits
+    looks = [*looks, k]
+    lk = 0  # looks[lk]: the next boundary to look at
+    j = 0
+    while True:  # as Engine.step at each step: poll, schedule (allocate), execute, commit
+        poll_j = bisect_left(starts, poll_at, j, k)  # the first step from j that polls
+        j = min(steps[e], looks[lk], poll_j)
+        if j >= k:
+            break
+        jump(starts[j])
+        if j == looks[lk]:  # the state after j steps, before step j polls and allocates
             assert lookout is not None
             _record_itls(itl, running, run, recorded, j, last_count)
             recorded = j
             lookout.look()
-            looks = looks[1:]
-            look_at = looks[0] if looks else k
-        if starts[j] >= poll_at:
+            lk += 1
+        if j == poll_j:
             offload.poll(idle)
             poll_at = offload.next_poll_at()
             poll_at -= 1e-9 * max(1.0, abs(poll_at))
-        todo = events.get(j)
-        if todo is not None:
+        if j == steps[e]:
+            e += 1
+            todo = events[j]
             todo.sort()
             for is_commit, i in todo:
                 if not is_commit:
                     traj = running[i].traj
                     traj.allocate(positions[i] + j + 1 - traj.num_computed_tokens)
-        advance(durations[j])
+            if todo[-1][0]:  # commits come after the step's execution
+                jump(starts[j + 1])
+                for is_commit, i in todo:
+                    if is_commit:
+                        traj = running[i].traj
+                        traj.mark_computed(positions[i] + j + 1 - traj.num_computed_tokens)
+                        traj.commit()
+        j += 1
+    jump(starts[k])
+    step_time = stats.step_time_s
+    for j in range(k):
         step_time += starts[j + 1] - starts[j]
-        if todo is None:
-            continue
-        for is_commit, i in todo:
-            if is_commit:
-                traj = running[i].traj
-                traj.mark_computed(positions[i] + j + 1 - traj.num_computed_tokens)
-                traj.commit()
     stats.step_time_s = step_time
     end_time = starts[k]
     # The ending sequences' last tokens are counted by end_decode_run below.
     _record_itls(itl, running, run, recorded, k, last_count)
+    observe = offload.observe_computed
     for i, seq in enumerate(running):
         traj = seq.traj
         traj.mark_computed(positions[i] + k - traj.num_computed_tokens)
         seq.last_token_time = end_time
-        offload.observe_computed(traj)
+        observe(traj)
     stats.steps += k
     stats.decode_tokens += n * k
     stats.generated_tokens += n * k - len(ending)

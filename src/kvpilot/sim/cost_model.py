@@ -302,6 +302,24 @@ class RooflineCostModel:
         n = len(positions)
         kv_read = sum(positions)
         windows = self._windows
+        if not windows:
+            return self._full_attention_run_s(n, kv_read)
+        return self._window_run_s(positions, n, kv_read, windows)
+
+    def _full_attention_run_s(self, n: int, kv_read: int) -> Iterator[float]:
+        linear = self._s_per_token * n
+        s_pair, weights, s_kv = self._s_per_pair, self._weights_s, self._s_per_kv_token
+        overhead = self.step_overhead_s
+        while True:  # hot path: the same operations, in the same order, as step_time_s
+            tokens = kv_read + n
+            compute = linear + s_pair * tokens
+            memory = weights + s_kv * tokens
+            yield (compute if compute > memory else memory) + overhead
+            kv_read += n
+
+    def _window_run_s(
+        self, positions: Sequence[int], n: int, kv_read: int, windows: tuple[int, ...]
+    ) -> Iterator[float]:
         step = 0
         while True:  # hot path: the same operations, in the same order, as step_time_s
             compute = self._s_per_token * n + self._s_per_pair * (kv_read + n)
