@@ -55,6 +55,10 @@ class BlockPool:
         free = self._free
         if n > len(free):
             raise OutOfBlocks(self.tier, n, len(free))
+        if n == 1:  # the decode hot path
+            block = free.pop()
+            self._refcounts[block] = 1
+            return [block]
         if n == 0:
             return []
         blocks = free[-n:]
@@ -75,20 +79,15 @@ class BlockPool:
             raise ValueError(f"{self.tier} pool: block {block} is free; it must be allocated first")
         return count
 
-    def _check_in_use(self, blocks: Sequence[int]) -> None:
-        """ValueError, naming the first offender, unless every one of ``blocks`` is in use."""
-        refs, n = self._refcounts, self.num_blocks
-        for block in blocks:
-            if not 0 <= block < n or refs[block] <= 0:
-                self._in_use(block)
-
     def incref(self, block: int) -> None:
         self._refcounts[block] = self._in_use(block) + 1
 
     def incref_many(self, blocks: Sequence[int]) -> None:
         """incref each of ``blocks`` (distinct ids, all in use); nothing changes if one is not."""
-        self._check_in_use(blocks)
-        refs = self._refcounts
+        refs, n = self._refcounts, self.num_blocks
+        for block in blocks:  # hot path: every one in use (`_in_use` names the first that is not)
+            if not 0 <= block < n or refs[block] <= 0:
+                self._in_use(block)
         for block in blocks:
             refs[block] += 1
 
@@ -105,8 +104,10 @@ class BlockPool:
     def decref_many(self, blocks: Sequence[int]) -> int:
         """decref each of ``blocks`` (distinct ids, all in use; nothing changes if one is not);
         returns how many became free."""
-        self._check_in_use(blocks)
-        refs = self._refcounts
+        refs, n = self._refcounts, self.num_blocks
+        for block in blocks:  # hot path: every one in use (`_in_use` names the first that is not)
+            if not 0 <= block < n or refs[block] <= 0:
+                self._in_use(block)
         freed = []
         for block in blocks:
             refs[block] -= 1

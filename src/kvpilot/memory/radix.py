@@ -315,7 +315,7 @@ class RadixCache(RadixEviction):
             )
         device = node.blocks.get(Tier.DEVICE)
         if (
-            node.is_root
+            node.depth_tokens == 0  # a root
             or not node._alive
             or node.children
             or node.lock_count != 1

@@ -206,12 +206,22 @@ class Trajectory:
         return max(0, covered - len(self.block_table))
 
     def allocate(self, num_new_tokens: int) -> None:
-        self._require_open()
-        need = self.blocks_needed(num_new_tokens)
-        if need == 0:
+        if self.closed:
+            self._require_open()
+        if num_new_tokens < 0:
+            self.blocks_needed(num_new_tokens)  # raises
+        # blocks_needed, inline (the decode hot path)
+        need = -(-(self.num_computed_tokens + num_new_tokens) // self._bs) - len(self.block_table)
+        if need <= 0:
             return
         pool = self._pool
         window = self.window
+        if window is None:
+            short = need - pool.num_free
+            if short > 0:
+                self._radix.evict(short)
+            self.block_table += pool.allocate(need)
+            return
         fresh = window.pool.allocate(need) if window is not None else []
         try:
             if pool.num_free < need:
@@ -225,7 +235,8 @@ class Trajectory:
             window.grow(fresh)
 
     def mark_computed(self, n: int) -> None:
-        self._require_open()
+        if self.closed:
+            self._require_open()
         done = self.num_computed_tokens + n
         if n < 0 or done > len(self.tokens):
             raise ValueError(
@@ -244,13 +255,15 @@ class Trajectory:
             self.window.slide(done, self._buf)
 
     def commit(self) -> int:
-        self._require_open()
+        if self.closed:
+            self._require_open()
         bs = self._bs
         n_full = self.num_computed_tokens // bs
         shared = self.locked_node.depth_tokens // bs
         if n_full <= shared:
             return 0
-        self._sync()
+        if len(self._buf) != len(self.tokens):
+            self._sync()
         table = self.block_table
         tokens = self._buf[shared * bs : n_full * bs]
         if self._radix.extend_leaf(self.locked_node, tokens, table[shared:n_full]):

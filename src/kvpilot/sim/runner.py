@@ -89,7 +89,12 @@ class SimulatedRunner:
                 high[w.seq_id] = end
             if w.sampling is not None:
                 base = (w.seed * _SEED_MUL + w.step * _STEP_MUL) & _MASK
-                out[w.seq_id] = [1 + (base + j * _DRAW_MUL) % vocab for j in range(w.sample_count)]
+                count = w.sample_count
+                out[w.seq_id] = (
+                    [1 + base % vocab]
+                    if count == 1
+                    else [1 + (base + j * _DRAW_MUL) % vocab for j in range(count)]
+                )
         windows = self.cost.windows
         if windows:
             w_read = tuple(sum(min(w.start_pos, size) for w in works) for size in windows)
@@ -122,10 +127,10 @@ class SimulatedRunner:
         """What `execute` samples for a sequence of ``seed`` at generation steps
         ``first_step .. first_step + steps - 1`` (one token each)."""
         vocab = self.vocab_size - 1
-        base = seed * _SEED_MUL
+        start = seed * _SEED_MUL + first_step * _STEP_MUL  # the draw of step s: start + s * STEP
         return [
-            1 + ((base + s * _STEP_MUL) & _MASK) % vocab
-            for s in range(first_step, first_step + steps)
+            1 + (draw & _MASK) % vocab
+            for draw in range(start, start + steps * _STEP_MUL, _STEP_MUL)
         ]
 
     def record_decode_run(
