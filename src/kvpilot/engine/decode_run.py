@@ -17,7 +17,7 @@ It returns 0 (and changes nothing) unless the next step is such a step:
 - every block the run needs is free or evictable from the prefix cache (a run allocates,
   and so evicts, at the same steps and in the same order as `Engine.step`);
 - no tier copy is in flight and no offload timer is due;
-- the executor implements `DecodeRunExecutor` and the clock can `advance` (a simulation);
+- the executor implements `DecodeRunExecutor` and the clock can `advance_to` (a simulation);
 - the model keeps no sliding-window pool (its window tables slide at every step).
 
 ``k`` ends before the step that samples a stop token (finishing on one is left to
@@ -39,6 +39,7 @@ the engine between steps (the simulator's telemetry samples) need not end runs f
 
 from __future__ import annotations
 
+from array import array
 from bisect import bisect_left
 from collections.abc import Collection, Iterator, Sequence
 from typing import TYPE_CHECKING, NamedTuple, Protocol
@@ -135,7 +136,7 @@ def advance_decode_run(
     executor = engine.executor
     times = getattr(executor, "decode_run_times", None)
     clock = engine.clock
-    if times is None or getattr(clock, "advance", None) is None:
+    if times is None or getattr(clock, "advance_to", None) is None:
         return 0
     if engine.kv.window is not None:  # window tables slide every step: left to step()
         return 0
@@ -155,24 +156,26 @@ def advance_decode_run(
     block = kv.block_size
     k_max = max_steps
     stops: list[Collection[int]] = []
-    for seq in running:
+    max_len, eos = engine.max_model_len, engine.eos_token_ids
+    text_stops = engine.tokenizer is not None
+    for seq in running:  # hot path
         traj = seq.traj
         tokens = len(traj.tokens)
         if tokens - traj.num_computed_tokens != 1 or seq.last_token_time is None:
             return 0
         request = seq.request
         params = request.params
-        if (params.stop and engine.tokenizer is not None) or (params.n > 1 and not request.forked):
+        if (params.stop and text_stops) or (params.n > 1 and not request.forked):
             return 0
         # Steps up to and including the one sampling the last token (max_tokens, length);
         # that one is left to step() unless the run may finish this sequence.
-        last = min(params.max_tokens - len(seq.output_token_ids), engine.max_model_len - tokens)
+        last = min(params.max_tokens - len(seq.output_token_ids), max_len - tokens)
         if last <= k_max:  # else it does not bound the run, finishing or not
             may_finish = finished is not None and _session_turn(engine, seq)
             k_max = min(k_max, last if may_finish else last - 1)
         stop: Collection[int] = params.stop_token_ids
-        if not params.ignore_eos and engine.eos_token_ids:
-            stop = frozenset(stop) | engine.eos_token_ids
+        if eos and not params.ignore_eos:
+            stop = frozenset(stop) | eos
         stops.append(stop)
     if k_max < 2:
         return 0
@@ -196,8 +199,9 @@ def advance_decode_run(
     while k and sum(_blocks_by(k, f, block) for f in firsts) > free:
         k -= 1
     sampled = []
+    draw = executor.decode_run_tokens  # type: ignore[attr-defined]
     for seq, stop_ids in zip(running, stops, strict=True):
-        tokens = executor.decode_run_tokens(seq.seed, len(seq.output_token_ids), k)  # type: ignore[attr-defined]
+        tokens = draw(seq.seed, len(seq.output_token_ids), k)
         if stop_ids and any(tok in stop_ids for tok in tokens):
             k = min(k, next(j for j, tok in enumerate(tokens) if tok in stop_ids))
         sampled.append(tokens)
@@ -298,7 +302,7 @@ def _apply(
                 events.setdefault(max(first, last), []).append((True, i))
         tokens = sampled[i][: k - 1] if ending and i in ending else sampled[i][:k]
         seq.output_token_ids += tokens
-        traj.append_tokens(tokens)
+        traj.append_tokens(tokens, array("i", tokens))
     idle = engine.sessions.idle  # what Engine.step polls with
     jump = clock.advance_to  # type: ignore[attr-defined]
     # A poll before next_poll_at is a no-op; the margin only adds harmless early polls.

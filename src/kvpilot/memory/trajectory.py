@@ -150,9 +150,11 @@ class Trajectory:
     def append_tokens(self, tokens: Iterable[int], ids: array | None = None) -> None:
         """Append ``tokens``; ``ids``: the same tokens already converted to int32, with
         ``tokens`` a list of plain ints (a checked prompt): neither is converted again."""
-        self._require_open()
+        if self.closed:
+            self._require_open()
         new = as_token_array(tokens) if ids is None else ids
-        self._sync()
+        if len(self._buf) != len(self.tokens):
+            self._sync()
         self._buf.extend(new)
         self.tokens.extend(new if ids is None else tokens)
 
