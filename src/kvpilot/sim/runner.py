@@ -127,7 +127,9 @@ class SimulatedRunner:
         """What `execute` samples for a sequence of ``seed`` at generation steps
         ``first_step .. first_step + steps - 1`` (one token each)."""
         vocab = self.vocab_size - 1
-        start = seed * _SEED_MUL + first_step * _STEP_MUL  # the draw of step s: start + s * STEP
+        # The draw of step s is (seed * SEED + s * STEP) & MASK: step by STEP from the first,
+        # masked first so that the sums stay small integers (masking commutes with adding).
+        start = (seed * _SEED_MUL + first_step * _STEP_MUL) & _MASK
         return [
             1 + (draw & _MASK) % vocab
             for draw in range(start, start + steps * _STEP_MUL, _STEP_MUL)
