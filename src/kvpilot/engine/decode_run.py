@@ -53,6 +53,7 @@ if TYPE_CHECKING:
     from kvpilot.memory import Trajectory
 
 MAX_RUN_STEPS = 4096
+_DEVICE = Tier.DEVICE  # an enum member's class attribute lookup is slow on the hot path
 
 
 class DecodeRunExecutor(Protocol):
@@ -108,7 +109,8 @@ def _extends_in_place(traj: Trajectory) -> bool:
         not node.is_root
         and not node.children
         and node.lock_count == 1
-        and list(node.blocks) == [Tier.DEVICE]
+        and len(node.blocks) == 1
+        and _DEVICE in node.blocks
     )
 
 

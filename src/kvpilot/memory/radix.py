@@ -31,6 +31,8 @@ from kvpilot.memory.radix_node import (
 )
 from kvpilot.memory.tiers import Tier
 
+DEVICE = Tier.DEVICE  # a module constant: an enum member's class attribute lookup is slow
+
 
 def _counter_clock() -> Callable[[], float]:
     counter = itertools.count(1)
@@ -313,7 +315,7 @@ class RadixCache(RadixEviction):
                 f"extend_leaf needs exactly len(blocks) * block_size tokens: got {len(tokens)} "
                 f"tokens for {len(blocks)} blocks of {bs}"
             )
-        device = node.blocks.get(Tier.DEVICE)
+        device = node.blocks.get(DEVICE)
         if (
             node.depth_tokens == 0  # a root
             or not node._alive
@@ -327,7 +329,7 @@ class RadixCache(RadixEviction):
             return True
         arr = as_token_array(tokens)
         own = list(blocks)
-        self.pools[Tier.DEVICE].incref_many(own)
+        self.pools[DEVICE].incref_many(own)
         if self.observer is not None:
             node.hashes  # noqa: B018 (an observed tree keeps every node's hashes)
         if node._hashes is not None:
@@ -339,7 +341,7 @@ class RadixCache(RadixEviction):
         device.extend(own)
         node.depth_tokens += len(arr)
         node.last_access = self._clock()
-        self._cached[Tier.DEVICE] += len(own)
+        self._cached[DEVICE] += len(own)
         self.stats.inserted_blocks += len(own)
         return True
 
