@@ -44,3 +44,20 @@ def test_several_samples_of_one_step_draw_apart() -> None:
     tokens = sim.execute([work]).tokens[3]
     assert len(tokens) == 3 and len(set(tokens)) == 3
     assert tokens[0] == sim.decode_run_tokens(9, 4, 1)[0]
+
+
+@settings(deadline=None)
+@given(
+    seeds=st.lists(st.integers(0, 2**64 - 1), min_size=1, max_size=12),
+    first=st.integers(0, 200_000),
+    steps=st.sampled_from([0, 1, 3, 19, 200, 5000]),
+    vocab=st.sampled_from([2, 32000, 152064]),
+)
+def test_many_sequences_draw_what_each_draws_alone(
+    seeds: list[int], first: int, steps: int, vocab: int
+) -> None:
+    sim = runner(vocab)
+    firsts = [first + 7 * i for i in range(len(seeds))]
+    many = sim.decode_run_tokens_many(seeds, firsts, steps)
+    assert many == [sim.decode_run_tokens(s, f, steps) for s, f in zip(seeds, firsts, strict=True)]
+    assert all(type(token) is int for tokens in many for token in tokens)

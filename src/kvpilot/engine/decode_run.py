@@ -69,6 +69,12 @@ class DecodeRunExecutor(Protocol):
         ``first_step`` onwards."""
         ...
 
+    def decode_run_tokens_many(
+        self, seeds: Sequence[int], first_steps: Sequence[int], steps: int
+    ) -> list[list[int]]:
+        """`decode_run_tokens` of each sequence, ``seeds[i]`` from ``first_steps[i]`` on."""
+        ...
+
     def record_decode_run(
         self, seq_ids: Sequence[int], positions: Sequence[int], durations: Sequence[float]
     ) -> None:
@@ -200,13 +206,12 @@ def advance_decode_run(
     k = len(durations)
     while k and sum(_blocks_by(k, f, block) for f in firsts) > free:
         k -= 1
-    sampled = []
-    draw = executor.decode_run_tokens  # type: ignore[attr-defined]
-    for seq, stop_ids in zip(running, stops, strict=True):
-        tokens = draw(seq.seed, len(seq.output_token_ids), k)
+    sampled = executor.decode_run_tokens_many(  # type: ignore[attr-defined]
+        [seq.seed for seq in running], [len(seq.output_token_ids) for seq in running], k
+    )
+    for tokens, stop_ids in zip(sampled, stops, strict=True):
         if stop_ids and any(tok in stop_ids for tok in tokens):
             k = min(k, next(j for j, tok in enumerate(tokens) if tok in stop_ids))
-        sampled.append(tokens)
     looks: list[int] = []
     if lookout is not None and k >= 2:
         looks, k = lookout.plan_looks(starts[: k + 1])
