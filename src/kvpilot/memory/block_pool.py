@@ -104,6 +104,8 @@ class BlockPool:
     def decref_many(self, blocks: Sequence[int]) -> int:
         """decref each of ``blocks`` (distinct ids, all in use; nothing changes if one is not);
         returns how many became free."""
+        if len(blocks) == 1:  # an eviction's one block
+            return 1 if self.decref(blocks[0]) else 0
         refs, n = self._refcounts, self.num_blocks
         for block in blocks:  # hot path: every one in use (`_in_use` names the first that is not)
             if not 0 <= block < n or refs[block] <= 0:

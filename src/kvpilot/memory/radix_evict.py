@@ -86,11 +86,18 @@ class EvictionQueues:
 
     def requeue_top(self, tier: Tier, live_nodes: int) -> None:
         """The candidate `peek` returned stays one: queue it anew (behind others of its access
-        time), exactly as `pop` then `push` would, with one sift instead of two."""
+        time), exactly as `pop` then `push` would, with one sift at most."""
         heap = self._heaps[tier]
-        node = heap[0][2]
-        heapq.heapreplace(heap, (node.last_access, next(self._seq), node))
-        if len(heap) > 2 * live_nodes + 1024:
+        key, _, node = heap[0]
+        entry = (key, next(self._seq), node)
+        size = len(heap)
+        # Still below both children (their keys are larger, whatever the order numbers): the
+        # entry stays on top, and only the set of entries decides the order pops come in.
+        if (size < 2 or heap[1][0] > key) and (size < 3 or heap[2][0] > key):
+            heap[0] = entry
+        else:
+            heapq.heapreplace(heap, entry)
+        if size > 2 * live_nodes + 1024:
             self._compact(tier)
 
     @staticmethod
