@@ -228,6 +228,27 @@ def test_samples_do_not_cut_runs(monkeypatch: pytest.MonkeyPatch) -> None:
     assert counts[1] <= counts[0] * 1.01  # 3,000 samples, no more runs
 
 
+def test_a_look_that_moves_the_clock_inside_a_run_is_caught(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A run jumps the clock to the steps it visits: anything else moving it would shift them.
+    look = Simulator.look
+
+    def moving(self: Simulator) -> None:
+        look(self)
+        self.clock.advance(1e-6)
+
+    monkeypatch.setattr(Simulator, "look", moving)
+    with pytest.raises(AssertionError, match="clock moved inside a decode run"):
+        simulate(
+            setup_for(600, 0.9, 512, True),
+            workload(3, 12, 0.3, 1.5, 4),
+            "breakeven",
+            runs=True,
+            interval=0.05,
+        )
+
+
 def test_a_run_stops_before_the_next_event_and_before_a_sequence_finishes() -> None:
     setup = setup_for(4000, 0.9, 512, True)
     engine, _ = build_engine(setup, 32000)

@@ -312,6 +312,7 @@ def _apply(
         traj.append_tokens(tokens, array("i", tokens))
     idle = engine.sessions.idle  # what Engine.step polls with
     jump = clock.advance_to  # type: ignore[attr-defined]
+    shown = starts[0]  # what the clock shows: nothing but the run may move it
     # A poll before next_poll_at is a no-op; the margin only adds harmless early polls.
     poll_at = offload.next_poll_at()
     poll_at -= 1e-9 * max(1.0, abs(poll_at))
@@ -329,7 +330,9 @@ def _apply(
         j = min(steps[e], looks[lk], poll_j)
         if j >= k:
             break
+        assert clock.now() == shown, "the clock moved inside a decode run"
         jump(starts[j])
+        shown = starts[j]
         if j == looks[lk]:  # the state after j steps, before step j polls and allocates
             assert lookout is not None
             _record_itls(itl, running, run, recorded, j, last_count)
@@ -349,13 +352,16 @@ def _apply(
                     traj = running[i].traj
                     traj.allocate(positions[i] + j + 1 - traj.num_computed_tokens)
             if todo[-1][0]:  # commits come after the step's execution
+                assert clock.now() == shown, "the clock moved inside a decode run"
                 jump(starts[j + 1])
+                shown = starts[j + 1]
                 for is_commit, i in todo:
                     if is_commit:
                         traj = running[i].traj
                         traj.mark_computed(positions[i] + j + 1 - traj.num_computed_tokens)
                         traj.commit()
         j += 1
+    assert clock.now() == shown, "the clock moved inside a decode run"
     jump(starts[k])
     step_time = stats.step_time_s
     for j in range(k):
