@@ -340,7 +340,9 @@ class OffloadManager:
         """Memory pressure: demote the idle trajectory back last (`pricing.pick_demotion`) to
         host (the copy waited for), awaited there like an offload; when the host has no room
         for it, to disk if its round trip beats a recompute (`pricing.disk_demotion_reload_s`,
-        the write waited for); else to the prefix cache, where eviction takes it."""
+        the write waited for); else to the prefix cache, where eviction takes it. A state
+        prefetched back and demoted again still has its host copy: nothing is copied, and it
+        is awaited there like any demotion to host (held, not LRU room; prefetched back)."""
         holders = [s for s in idle if s.traj.block_table and self.held_bytes(s.traj)]
         if not holders:
             return 0
@@ -359,6 +361,8 @@ class OffloadManager:
             tier = "disk"
         elif self.mover.has_host and nodes and self.mover.swap_out(nodes) is not None:
             tier = "host"
+        elif nodes and all(Tier.HOST in n.blocks for n in nodes):
+            tier = "host"  # already there (a prefetched state): nothing to copy
         if tier != "cache":
             self.mover.wait_moves()
             if record is not None:
