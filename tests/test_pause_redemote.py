@@ -89,3 +89,28 @@ def test_resumed_turns_after_a_second_demotion_equal_a_recompute(
     engine.check_invariants()
     assert_same_turns([first, second], reference_turns(model, [FIRST, SECOND]))
     engine.close()
+
+
+def test_reclaim_lets_copies_out_under_way_free_their_blocks_before_demoting(
+    tmp_path: Path,
+) -> None:
+    """A pause's offload to host is still copying when memory is needed: reclaim waits for
+    it (its blocks are on their way out) rather than demote another idle state as well."""
+    engine = tiered("tiny", tmp_path, "offload-host")
+    a, b = engine.open_session(), engine.open_session()
+    b.generate(SECOND, PARAMS)  # idle, holding its blocks, never paused
+    a.generate(FIRST, PARAMS)
+    a.pause(expected_wait_s=30.0)
+    offload = engine.offload
+    assert offload.mover.moves  # the offload is in flight
+    used = engine.kv.device.num_used
+    held_b = offload.held_bytes(b.traj)
+    assert offload.reclaim([b]) == 1
+    assert not offload.mover.moves
+    assert engine.kv.device.num_used < used  # a's blocks came free
+    assert offload.held_bytes(b.traj) == held_b  # b keeps its state
+    assert offload.stats.decisions["demoted"] == 0 and not offload.stats.demoted_to
+    assert offload.reclaim([b]) == 1  # nothing under way now: b gives way
+    assert offload.stats.demoted_to == {"host": 1}
+    engine.check_invariants()
+    engine.close()
