@@ -114,3 +114,19 @@ def test_reclaim_lets_copies_out_under_way_free_their_blocks_before_demoting(
     assert offload.stats.demoted_to == {"host": 1}
     engine.check_invariants()
     engine.close()
+
+
+def test_a_write_to_disk_under_way_does_not_hold_reclaim_back(tmp_path: Path) -> None:
+    """A write to disk runs at the disk's speed: reclaim demotes an idle state to host
+    rather than wait for it alone."""
+    engine = tiered("tiny", tmp_path, "offload-disk")
+    a, b = engine.open_session(), engine.open_session()
+    b.generate(SECOND, PARAMS)
+    a.generate(FIRST, PARAMS)
+    a.pause(expected_wait_s=30.0)
+    offload = engine.offload
+    assert offload.mover.moves  # the write is under way
+    assert offload.reclaim([b]) == 1
+    assert offload.stats.demoted_to == {"host": 1}
+    engine.check_invariants()
+    engine.close()

@@ -23,7 +23,7 @@ from kvpilot.engine.executor import TierTransport
 from kvpilot.engine.pause_book import PauseBook
 from kvpilot.engine.pause_timers import PauseTimers
 from kvpilot.engine.tier_mover import TierMover
-from kvpilot.engine.tier_stats import PauseRecord, PauseState, TierStats
+from kvpilot.engine.tier_stats import MoveKind, PauseRecord, PauseState, TierStats
 from kvpilot.errors import InvalidRequest, require
 from kvpilot.memory import KVManager, RadixNode, Tier, Trajectory
 from kvpilot.memory.residency import Residency
@@ -337,15 +337,17 @@ class OffloadManager:
                 self.records.change(record, PauseState.PREFETCHED)
 
     def reclaim(self, idle: Seq[PausableSession]) -> int:
-        """Memory pressure: copies out already under way (a pause's offload) free their blocks
-        first: wait for them, and demote nothing more this call. Else demote the idle
+        """Memory pressure: copies out to host already under way (a pause's offload) free their
+        blocks first: wait for them, and demote nothing more this call (a write to disk runs
+        at the disk's speed, slower than demoting a state to host). Else demote the idle
         trajectory back last (`pricing.pick_demotion`) to
         host (the copy waited for), awaited there like an offload; when the host has no room
         for it, to disk if its round trip beats a recompute (`pricing.disk_demotion_reload_s`,
         the write waited for); else to the prefix cache, where eviction takes it. A state
         prefetched back and demoted again still has its host copy: nothing is copied, and it
         is awaited there like any demotion to host (held, not LRU room; prefetched back)."""
-        if self.mover.moves:
+        moves = self.mover.moves
+        if moves and all(m.kind is MoveKind.HOST for m in moves):
             self.mover.wait_moves()  # copies out under way free their blocks: those first
             return 1
         holders = [s for s in idle if s.traj.block_table and self.held_bytes(s.traj)]
