@@ -9,7 +9,6 @@ reads as the disk's speed.
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -45,6 +44,8 @@ class ThrottledDiskStore:
             self.link.clock,
             timed=False,
             on_settle=self._observer(self.write_bw, nbytes),
+            sleep=self.link.sleep,
+            real_time_counts=self.link.real_time_counts,
         )
 
     def get_async(self, keys: Sequence[bytes]) -> ThrottledTransfer:
@@ -57,6 +58,8 @@ class ThrottledDiskStore:
             self.link.clock,
             timed=False,
             on_settle=self._observer(self.read_bw, nbytes),
+            sleep=self.link.sleep,
+            real_time_counts=self.link.real_time_counts,
         )
 
     def get_many(self, keys: Sequence[bytes]) -> list[memoryview | None]:
@@ -64,7 +67,7 @@ class ThrottledDiskStore:
         out = self.inner.get_many(keys)
         delay = finish - self.link.clock()
         if delay > 0:
-            time.sleep(delay)
+            self.link.sleep(delay)
         self.read_bw.observe(len(keys) * self.block_bytes, max(finish, self.link.clock()) - start)
         return out
 

@@ -32,11 +32,24 @@ Clock = Callable[[], float]
 class LinkSchedule:
     """Per-direction queues of a link of ``bytes_per_s``: when each copy may finish."""
 
-    def __init__(self, bytes_per_s: float, clock: Clock = time.perf_counter) -> None:
+    def __init__(
+        self,
+        bytes_per_s: float,
+        clock: Clock = time.perf_counter,
+        sleep: Callable[[float], None] = time.sleep,
+        *,
+        real_time_counts: bool = True,
+    ) -> None:
         if not bytes_per_s > 0:
             raise ConfigError(f"an emulated link needs a positive bandwidth, got {bytes_per_s}")
         self.bytes_per_s = float(bytes_per_s)
         self.clock = clock
+        self.sleep = sleep  # how a caller waits for a copy on this clock
+        # Whether a real copy slower than its slot makes the emulated copy slower: on a clock
+        # of the stepping thread's CPU time (`kvpilot.emulate.clock.ComputeClock`) a copy on
+        # another thread is free, as a DMA engine's is, and its end would only read the
+        # stepping thread's compute meanwhile (the copy is still done only once it is done).
+        self.real_time_counts = real_time_counts
         self._free_at: dict[str, float] = {}
         self._lock = threading.Lock()
         self.bytes_moved: dict[str, int] = {}
@@ -60,6 +73,10 @@ class ThrottledTransfer:
     ``timed``: the inner result is the seconds the copy took, replaced by the emulated
     duration (slot start to the later of the slot's end and the real copy's); otherwise the
     inner result (bytes read, flags) passes through. ``on_settle`` hears the duration once.
+    ``real_time_counts`` False: the slot alone is the copy's duration. ``finish_s``: the
+    slot's end, which lets an engine on a clock that skips idle time
+    (`kvpilot.emulate.clock.ComputeClock`) skip to it (`kvpilot.engine.idle_skip`); the copy
+    is still done only once the real one is too. ``sleep`` waits on ``clock``.
     """
 
     __slots__ = (
@@ -69,6 +86,7 @@ class ThrottledTransfer:
         "_on_settle",
         "_real_end",
         "_settled",
+        "_sleep",
         "_start",
         "_timed",
     )
@@ -82,6 +100,8 @@ class ThrottledTransfer:
         *,
         timed: bool,
         on_settle: Callable[[float], None] | None = None,
+        sleep: Callable[[float], None] = time.sleep,
+        real_time_counts: bool = True,
     ) -> None:
         self._inner = inner
         self._start = start
@@ -89,10 +109,13 @@ class ThrottledTransfer:
         self._clock = clock
         self._timed = timed
         self._on_settle = on_settle
+        self._sleep = sleep
         self._settled: float | None = None
         self._real_end: float | None = None
         add_done_callback = getattr(inner, "add_done_callback", None)
-        if add_done_callback is not None:  # when the real copy ended, not when it was polled
+        if not real_time_counts:
+            self._real_end = finish
+        elif add_done_callback is not None:  # when the real copy ended, not when it was polled
             add_done_callback(lambda _f: setattr(self, "_real_end", clock()))
 
     def _settle(self) -> float:
@@ -102,6 +125,10 @@ class ThrottledTransfer:
             if self._on_settle is not None:
                 self._on_settle(self._settled)
         return self._settled
+
+    @property
+    def finish_s(self) -> float:
+        return self._finish
 
     def done(self) -> bool:
         if self._clock() < self._finish or not self._inner.done():
@@ -113,6 +140,6 @@ class ThrottledTransfer:
         out = self._inner.result(timeout)
         delay = self._finish - self._clock()
         if delay > 0:
-            time.sleep(delay)
+            self._sleep(delay)
         seconds = self._settle()
-        return max(seconds, float(out)) if self._timed else out
+        return seconds if self._timed else out

@@ -27,7 +27,15 @@ class ThrottledTransport:
 
     def _wrap(self, direction: str, blocks: int, transfer: Transfer, *, timed: bool) -> Transfer:
         start, finish = self.link.reserve(direction, blocks * self.block_bytes)
-        return ThrottledTransfer(transfer, start, finish, self.link.clock, timed=timed)
+        return ThrottledTransfer(
+            transfer,
+            start,
+            finish,
+            self.link.clock,
+            timed=timed,
+            sleep=self.link.sleep,
+            real_time_counts=self.link.real_time_counts,
+        )
 
     def swap_out(self, pairs: Sequence[tuple[int, int]]) -> Transfer:
         return self._wrap("out", len(pairs), self.inner.swap_out(pairs), timed=True)
