@@ -28,12 +28,14 @@ TRACES = ROOT.parent / "shared" / "traces" / "lmcache-agent-trace" / "miniswe"
 CHARS_PER_TOKEN = 4
 
 
-def tokenize(text: str, vocab: int, chars_per_token: int = CHARS_PER_TOKEN) -> list[int]:
+def tokenize(
+    text: str, vocab: int, chars_per_token: int = CHARS_PER_TOKEN, seed: int = 0
+) -> list[int]:
     """A prefix-stable stand-in for BPE: each ``chars_per_token``-byte chunk hashes to a
-    token id."""
+    token id (another ``seed``, other ids: the same text in another agent's words)."""
     raw = text.encode("utf-8", errors="replace")
     step = chars_per_token
-    return [zlib.crc32(raw[i : i + step]) % vocab for i in range(0, len(raw), step)]
+    return [zlib.crc32(raw[i : i + step], seed) % vocab for i in range(0, len(raw), step)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,13 +58,15 @@ def load_sessions(
     """Up to ``n`` trace sessions of 2 turns or more, cut where a call's context exceeds
     ``max_tokens`` or after ``max_turns`` calls; with ``replicas`` > 1 the trace's sessions
     come again, copy r with the approvals of ``waits`` seeded ``seed * 1000 + r`` (copy 0
-    has ``waits``' own)."""
+    has ``waits``' own) and its text tokenized with hash seed r: a copy shares prefixes with
+    the other sessions of its copy as the trace's sessions do (their system prompt), and
+    none with another copy's, as another agent's sessions would not."""
     traces = list(load_trace_calls(TRACES))
     sessions = []
     for copy in range(replicas):
         model = waits if copy == 0 else dataclasses.replace(waits, seed=waits.seed * 1000 + copy)
         for trace in traces:
-            turns = trace_turns(trace, model, vocab, max_tokens, max_turns, chars_per_token)
+            turns = trace_turns(trace, model, vocab, max_tokens, max_turns, chars_per_token, copy)
             if len(turns) >= 2:
                 sessions.append(turns)
             if len(sessions) == n:
@@ -77,13 +81,14 @@ def trace_turns(
     max_tokens: int,
     max_turns: int,
     chars_per_token: int,
+    seed: int = 0,
 ) -> list[Turn]:
     """One trace session's turns, cut where a context exceeds ``max_tokens`` or after
     ``max_turns``; the last turn has no pause after it."""
     pauses = waits.waits(trace)
     turns = []
     for i, call in enumerate(trace.calls):
-        tokens = tokenize(call.input + call.output, vocab, chars_per_token)
+        tokens = tokenize(call.input + call.output, vocab, chars_per_token, seed)
         if len(tokens) > max_tokens or i == max_turns:
             break
         pause = pauses[i] if i < len(pauses) else None

@@ -14,7 +14,7 @@ MINISWE = Path(__file__).resolve().parents[2] / "shared/traces/lmcache-agent-tra
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import pause_workload  # noqa: E402
-from pause_workload import Turn, dilated, load_sessions, tokenize  # noqa: E402
+from pause_workload import Turn, common_prefix, dilated, load_sessions, tokenize  # noqa: E402
 
 
 def test_longer_chunks_make_fewer_tokens_with_the_same_prefixes() -> None:
@@ -42,7 +42,14 @@ def test_copies_of_the_trace_have_their_own_approvals(monkeypatch: pytest.Monkey
     two = load_sessions(100, 1024, waits, 256, 6, chars_per_token=8, replicas=2)
     assert len(two) == 2 * len(one) and two[: len(one)] == one  # copy 0 is the trace's own
     copies = two[len(one) :]
-    assert [[t.tokens for t in s] for s in copies] == [[t.tokens for t in s] for s in one]
+    # Another agent's words: the same lengths, no prefix shared with the trace's own...
+    assert [[len(t.tokens) for t in s] for s in copies] == [[len(t.tokens) for t in s] for s in one]
+    assert all(common_prefix(c[0].tokens, o[0].tokens) < 8 for c in copies for o in one)
+    # ...but what it shares with its own sessions, as the trace's do.
+    assert common_prefix(copies[0][0].tokens, copies[1][0].tokens) == common_prefix(
+        one[0][0].tokens, one[1][0].tokens
+    )
+    assert common_prefix(one[0][0].tokens, one[1][0].tokens) > 0
     assert [[t.wait_s for t in s] for s in copies] != [[t.wait_s for t in s] for s in one]
     approvals = [t for s in two for t in s[:-1] if t.tool == APPROVAL_TOOL]
     assert approvals and all(t.wait_s >= 0.6 for t in approvals)  # a minute x 0.01
