@@ -44,10 +44,19 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from pause_cpu import Pools, calibrate, recompute, replay
+from pause_cpu import (
+    FULL_SHAPE,
+    QUICK_SHAPE,
+    Pools,
+    calibrate,
+    cpu_sessions,
+    recompute,
+    replay,
+    target_dilation,
+)
 from pause_goals import goals, print_verdict
 from pause_log import PauseLog
-from pause_workload import describe_waits, load_sessions, working_set_tokens
+from pause_workload import describe_waits, dilated, working_set_tokens
 
 from kvpilot.emulate.target import EMULATION_TARGETS, emulation_target
 from kvpilot.policy.pause import POLICY_NAMES
@@ -75,7 +84,6 @@ MEDIAN_KEYS = (
     "achieved_disk_ratio",
 )
 BLOCK = 16
-TINY_VOCAB = 256
 
 
 def print_header() -> None:
@@ -107,24 +115,34 @@ def print_row(policy: str, r: dict[str, Any]) -> None:
 def cpu_run(
     args: argparse.Namespace, policies: list[str], log: PauseLog | None = None
 ) -> dict[str, Any]:
-    n, max_tokens, max_turns = (6, 2048, 8) if args.quick else (12, 4096, 16)
-    waits = WaitModel(args.time_factor, args.approval_probability, seed=args.seed)
-    sessions = load_sessions(n, max_tokens, waits, TINY_VOCAB, max_turns)
+    shape = QUICK_SHAPE if args.quick else FULL_SHAPE
+    draws = [cpu_sessions(args, shape, args.seed + rep) for rep in range(args.reps)]
+    sessions = draws[0]  # every draw has the same tokens: only the approvals differ
     work = working_set_tokens(sessions)
     pools = Pools(
-        device_blocks=max(int(work * args.device_fraction) // BLOCK, max_tokens // BLOCK + 2),
+        device_blocks=max(int(work * args.device_fraction) // BLOCK, shape.max_tokens // BLOCK + 2),
         host_blocks=int(work * args.host_fraction) // BLOCK,
         disk_blocks=4 * work // BLOCK,
     )
     target = emulation_target(args.emulate)
-    expected, rate, per_token, cpu = recompute("tiny", sessions, max_tokens // BLOCK + 2)
-    cal = calibrate(rate, per_token, target, cpu)
-    print(
-        f"\n== CPU run, tiny: {len(sessions)} sessions, {sum(map(len, sessions))} turns, "
-        f"working set {work:,} tokens; device {pools.device_blocks * BLOCK:,} tokens, host "
-        f"{pools.host_blocks * BLOCK:,}, disk {pools.disk_blocks * BLOCK:,} =="
+    expected, rate, per_token, cpu = recompute(
+        "tiny", sessions, shape.max_tokens // BLOCK + 2, args.clock
     )
-    print(f"waits: {waits.describe()}; {describe_waits(sessions)}")
+    cal = calibrate(rate, per_token, target, cpu)
+    auto = target_dilation(target, rate)
+    dilation = auto if args.dilation == "auto" else float(args.dilation)
+    draws = [dilated(d, dilation) for d in draws]
+    print(
+        f"\n== CPU run, tiny: {len(sessions)} sessions ({shape.describe()}), "
+        f"{sum(map(len, sessions))} turns, working set {work:,} tokens; device "
+        f"{pools.device_blocks * BLOCK:,} tokens, host {pools.host_blocks * BLOCK:,}, disk "
+        f"{pools.disk_blocks * BLOCK:,}; {args.clock} clock =="
+    )
+    waits = WaitModel(args.time_factor, args.approval_probability, seed=args.seed)
+    print(
+        f"waits: {waits.describe()}, then every wait x {dilation:.2f} (this CPU prefills "
+        f"{auto:.2f}x slower than the target); draw 1: {describe_waits(draws[0])}"
+    )
     print(
         f"emulating {target.describe()}: local prefill {rate:,.0f} tokens/s (recompute pass, "
         f"{cpu:.1f} CPU s), {per_token:,.0f} KV bytes/token -> link "
@@ -133,11 +151,14 @@ def cpu_run(
     print_header()
     reps: dict[str, list[dict[str, Any]]] = {p: [] for p in policies}
     for rep in range(args.reps):
-        # The machine is shared: each repetition runs the policies in a rotated order, so no
-        # policy always runs in the same stretch of someone else's load.
+        # Each repetition is one draw of the approvals (seed + rep), the same for every policy;
+        # the policies run in a rotated order, so none always runs in the same stretch of a
+        # shared machine's load.
         order = policies[rep % len(policies) :] + policies[: rep % len(policies)]
         for policy in order:
-            r = replay("tiny", policy, sessions, pools, cal, args.ttl, expected, log, rep)
+            r = replay(
+                "tiny", policy, draws[rep], pools, cal, args.ttl, expected, log, rep, args.clock
+            )
             reps[policy].append(r)
             print_row(f"{policy} #{rep + 1}", r)
     rows = {p: median_row(rs) for p, rs in reps.items()}
@@ -172,6 +193,10 @@ def cpu_run(
         "achieved_disk_ratio": be["achieved_disk_ratio"],
         "prefill_tokens_per_s": round(rate, 1),
         "time_factor": args.time_factor,
+        "dilation": round(dilation, 3),
+        "clock": args.clock,
+        "sessions": len(sessions),
+        "turns": sum(map(len, sessions)),
     }
 
 
@@ -217,6 +242,19 @@ def main() -> None:
     parser.add_argument("--no-disk", action="store_true")
     parser.add_argument("--disk-dir", default=None, help="folder for the disk figures")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument(
+        "--dilation",
+        default="1",
+        help="the CPU run's waits x this (auto: the target's prefill rate / this CPU's, so "
+        "that a wait is as many recomputes long as on the target)",
+    )
+    parser.add_argument(
+        "--clock",
+        default="compute",
+        choices=("compute", "wall"),
+        help="the CPU run's time: the stepping thread's CPU time with waits skipped "
+        "(load-robust, costs only the compute), or the wall clock",
+    )
     parser.add_argument(
         "--log-pauses",
         default=None,

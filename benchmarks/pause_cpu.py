@@ -19,17 +19,62 @@ from pathlib import Path
 from typing import Any
 
 from pause_log import PauseLog
-from pause_workload import Turn, agent_rate, common_prefix, pct
+from pause_workload import Turn, agent_rate, common_prefix, load_sessions, pct
 
+from kvpilot.emulate.clock import BenchClock, WallTime, bench_clock
 from kvpilot.emulate.disk import ThrottledDiskStore
 from kvpilot.emulate.link import LinkSchedule
 from kvpilot.emulate.target import EmulationTarget
 from kvpilot.emulate.transport import ThrottledTransport
 from kvpilot.engine import Engine, EngineConfig, SamplingParams
 from kvpilot.policy.pause import TRUE_WAIT_POLICIES
+from kvpilot.trace.waits import WaitModel
 
 PARAMS = SamplingParams(max_tokens=4, ignore_eos=True)
 ENGINE_OPTIONS: dict[str, Any] = {"max_num_batched_tokens": 1024, "max_prefill_chunk": 512}
+TINY_VOCAB = 256
+
+
+@dataclass(frozen=True, slots=True)
+class Shape:
+    """How much of the trace the CPU run replays: sessions (the trace's, then copies with
+    their own approvals), the longest context and the most turns per session, in tokens of
+    ``chars_per_token`` bytes."""
+
+    sessions: int
+    max_tokens: int
+    max_turns: int
+    chars_per_token: int = 8
+
+    def describe(self) -> str:
+        return (
+            f"contexts up to {self.max_tokens:,} tokens of {self.chars_per_token} bytes, "
+            f"{self.max_turns} turns"
+        )
+
+
+QUICK_SHAPE = Shape(sessions=36, max_tokens=2048, max_turns=10)
+FULL_SHAPE = Shape(sessions=60, max_tokens=4096, max_turns=20)
+
+
+def cpu_sessions(args: Any, shape: Shape, seed: int) -> list[list[Turn]]:
+    """The CPU run's sessions with the approvals of draw ``seed`` (waits as recorded)."""
+    waits = WaitModel(args.time_factor, args.approval_probability, seed=seed)
+    return load_sessions(
+        shape.sessions,
+        shape.max_tokens,
+        waits,
+        TINY_VOCAB,
+        shape.max_turns,
+        chars_per_token=shape.chars_per_token,
+        replicas=shape.sessions,  # as many copies as it takes
+    )
+
+
+def target_dilation(target: EmulationTarget, prefill_tokens_per_s: float) -> float:
+    """How many times slower this machine prefills than the target node: the factor its
+    waits stretch by, so that a wait is as many recomputes long as on the target."""
+    return target.context_tokens / target.recompute_s / prefill_tokens_per_s
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,12 +119,13 @@ class Calibration:
 
 
 def recompute(
-    model: str, sessions: list[list[Turn]], kv_blocks: int
+    model: str, sessions: list[list[Turn]], kv_blocks: int, clock_name: str = "compute"
 ) -> tuple[dict[tuple[int, int], list[int]], float, float, float]:
     """Each turn's output from its tokens alone (an engine without tiers or pauses), the
-    prefill rate its prefill steps ran at (tokens/s, `PrefillTally`), KV bytes per token, and
-    the CPU seconds it took."""
-    engine = Engine.from_pretrained(model, kv_blocks=kv_blocks, **ENGINE_OPTIONS)
+    prefill rate its prefill steps ran at (tokens/s on ``clock_name``'s clock,
+    `PrefillTally`), KV bytes per token, and the CPU seconds it took."""
+    clock = bench_clock(clock_name)
+    engine = Engine.from_pretrained(model, kv_blocks=kv_blocks, clock=clock, **ENGINE_OPTIONS)
     tally = PrefillTally(engine)
     outputs = {}
     cpu = time.process_time()
@@ -106,7 +152,13 @@ def calibrate(rate: float, per_token: float, target: EmulationTarget, cpu_s: flo
 
 
 def emulated_engine(
-    model: str, policy: str, pools: Pools, disk_dir: str, cal: Calibration, ttl_s: float
+    model: str,
+    policy: str,
+    pools: Pools,
+    disk_dir: str,
+    cal: Calibration,
+    ttl_s: float,
+    clock: BenchClock,
 ) -> Engine:
     """An engine with host and disk tiers behind links of the calibrated bandwidths (the
     composition of `kvpilot.model.build.build_engine`, with the tiers wrapped)."""
@@ -126,9 +178,12 @@ def emulated_engine(
     )
     runner = ModelRunner(model, num_blocks=pools.device_blocks)
     inner = TorchTierTransport(runner.kv_cache, pools.host_blocks)
-    transport = ThrottledTransport(inner, LinkSchedule(cal.link_bytes_per_s))
+    real = isinstance(clock, WallTime)  # on the compute clock the copier thread is free
+    link = LinkSchedule(cal.link_bytes_per_s, clock, clock.sleep, real_time_counts=real)
+    transport = ThrottledTransport(inner, link)
     store = DiskBlockStore(Path(disk_dir), pools.disk_blocks, inner.block_bytes)
-    disk = ThrottledDiskStore(store, LinkSchedule(cal.disk_bytes_per_s))
+    disk_link = LinkSchedule(cal.disk_bytes_per_s, clock, clock.sleep, real_time_counts=real)
+    disk = ThrottledDiskStore(store, disk_link)
     return Engine(
         runner,
         config,
@@ -136,6 +191,7 @@ def emulated_engine(
         eos_token_ids=runner.eos_token_ids,
         max_model_len=runner.max_model_len,
         vocab_size=runner.config.vocab_size,
+        clock=clock,
         transport=transport,
         disk=disk,  # type: ignore[arg-type]
         session_store=SessionStore(Path(disk_dir)),
@@ -170,25 +226,34 @@ def replay(
     expected: dict[tuple[int, int], list[int]],
     log: PauseLog | None = None,
     rep: int = 0,
+    clock_name: str = "compute",
+    stagger_s: float = 0.02,
 ) -> dict[str, Any]:
+    """Replay ``sessions`` under ``policy``: session i's first turn at ``i * stagger_s``, each
+    next turn its pause after the last one finished. On the compute clock
+    (`kvpilot.emulate.clock`) the pauses and the emulated copies are waited for by moving
+    the clock on, so a replay costs its compute; on the wall clock they are slept."""
     told_truth = policy in TRUE_WAIT_POLICIES
     with tempfile.TemporaryDirectory(prefix=f"kvpilot-pause-{policy}-") as disk:
-        engine = emulated_engine(model, policy, pools, disk, cal, ttl_s)
+        clock = bench_clock(clock_name)
+        engine = emulated_engine(model, policy, pools, disk, cal, ttl_s, clock)
         if log is not None:
             log.attach(engine, {"run": "cpu", "rep": rep, "policy": policy})
         tally, links = PrefillTally(engine), emulated_links(engine)
+        offload = engine.offload
         handles = [engine.open_session() for _ in sessions]
         nxt = [0] * len(sessions)
-        due = [0.02 * i for i in range(len(sessions))]
+        first = [stagger_s * i for i in range(len(sessions))]
+        due, active = list(first), [0.0] * len(sessions)
         pending: dict[str, int] = {}
+        busy: set[int] = set()
         turns_done = mismatches = 0
-        first, active = [0.02 * i for i in range(len(sessions))], [0.0] * len(sessions)
         total = sum(len(s) for s in sessions)
-        start, cpu0 = time.perf_counter(), time.process_time()
+        start, wall0, cpu0 = clock.now(), time.perf_counter(), clock.cpu_s()
         while turns_done < total:
-            now = time.perf_counter() - start
+            now = clock.now() - start
             for i, turns in enumerate(sessions):
-                if nxt[i] >= len(turns) or i in pending.values() or due[i] > now:
+                if nxt[i] >= len(turns) or i in busy or due[i] > now:
                     continue
                 session, turn = handles[i], turns[nxt[i]]
                 held = session.tokens
@@ -206,14 +271,15 @@ def replay(
                     tool=None if last else turn.tool,
                 )
                 pending[rid] = i
+                busy.add(i)
             track(links, cal, tally.rate(cal.prefill_tokens_per_s))
-            if engine.has_unfinished() or engine.offload.busy():
-                engine.step()
+            waits = [d for i, d in enumerate(due) if i not in busy and nxt[i] < len(sessions[i])]
+            next_turn = start + min(waits, default=now + 1.0)
+            if engine.has_unfinished() or offload.busy():
+                engine.step(idle_until=next_turn)
             else:
-                waits = [d for i, d in enumerate(due) if nxt[i] < len(sessions[i])]
-                timer = engine.offload.next_event_at()
-                nearest = min([*waits, *([timer - start] if timer else [])], default=now)
-                time.sleep(min(max(nearest - now, 0.0), 0.005))
+                timer = offload.next_event_at()
+                clock.advance_to(min(next_turn, timer if timer is not None else next_turn))
                 engine.step()  # polls copies and fires prefetch timers
             for rid, i in list(pending.items()):
                 try:
@@ -224,30 +290,35 @@ def replay(
                     engine.pop_output(rid)
                     mismatches += list(out.token_ids) != expected[(i, nxt[i])]
                     del pending[rid]
-                    now = time.perf_counter() - start
+                    busy.discard(i)
+                    now = clock.now() - start
                     due[i] = now + sessions[i][nxt[i]].wait_s
                     nxt[i] += 1
                     turns_done += 1
                     if nxt[i] == len(sessions[i]):
                         active[i] = now - first[i]
-        wall, cpu = time.perf_counter() - start, time.process_time() - cpu0
-        stats = engine.offload.stats
-        mover = engine.offload.mover
+        elapsed, cpu = clock.now() - start, clock.cpu_s() - cpu0
+        wall = time.perf_counter() - wall0
+        stats = offload.stats
+        mover = offload.mover
         prefill = tally.rate(cal.prefill_tokens_per_s)
         link = mover.link_bw()
         result = {
             "turns_per_s": round(agent_rate(sessions, active), 3),
-            "makespan_turns_per_s": round(turns_done / wall, 3),
+            "makespan_turns_per_s": round(turns_done / elapsed, 3),
             "recomputed_tokens": stats.recomputed_tokens,
             "p50_resume_ttft_s": round(pct(stats.resume_ttft_s, 0.5), 4),
             "p99_resume_ttft_s": round(pct(stats.resume_ttft_s, 0.99), 4),
+            "resumes": len(stats.resume_ttft_s),
             "idle_gb_s": round(stats.idle_gb_s, 4),
             "bytes_moved": dict(stats.bytes_moved),
             "decisions": dict(stats.decisions),
             "demoted_to": dict(stats.demoted_to),
             "prefill_tokens": engine.stats.prefill_tokens,
+            "prefetch_stalls": stats.prefetch_stalls,
             "preemptions": engine.scheduler.num_preemptions,
             "hit_rate": round(engine.stats.hit_rate, 4),
+            "elapsed_s": round(elapsed, 2),
             "wall_s": round(wall, 2),
             "cpu_s": round(cpu, 2),
             "mismatches": mismatches,
