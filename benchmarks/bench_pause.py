@@ -7,13 +7,21 @@ named by the tool the call ran, as recorded (real seconds), plus on --approval-p
 pauses a person's approval of a minute to an hour, scaled by the one --time-factor (0.01:
 an hour is 36 s).
 
-CPU run (`pause_cpu.py`): the real engine on the `tiny` model (its output depends on the
-whole context), device<->host link and disk slowed so that reload : recompute matches
---emulate (from the hardware presets and llama-3-70b's geometry; the achieved ratio is
-printed). The device pool holds --device-fraction of the working set and the host tier
---host-fraction, so some pauses must go to disk or be dropped. Every resumed turn's output
-is compared with a recompute of the same turn on an engine without tiers (freed blocks are
-poisoned): mismatches must be 0.
+CPU run (`pause_cpu.py`): the real engine on the `tiny` model (its output depends on the whole
+context), device<->host link and disk slowed so that reload : recompute matches --emulate
+(from the hardware presets and llama-3-70b's geometry; the achieved ratio is printed). It runs
+on the compute clock (`kvpilot.emulate.clock`, --clock compute): the engine's time is the CPU
+time of the thread that steps it, and waits (pauses, emulated copies) move the clock on at
+once instead of being slept, so a replay costs its compute and a loaded machine changes
+little; --clock wall sleeps them. 36 sessions (--quick; 60 without): the trace's, then copies
+of them in another agent's words (own token hash, own approvals), in tokens of 8 bytes,
+arriving one mean first-turn prefill apart. Each repetition is one draw of the approvals
+(--seed + repetition), the same for every policy. --dilation stretches every wait (auto: by
+how much slower this CPU prefills than the target, so a wait is as many recomputes long as
+there; 1 by default). The device pool holds --device-fraction of the working set and the host
+tier --host-fraction, so some pauses must go to disk or be dropped. Every resumed turn's
+output is compared with a recompute of the same turn on an engine without tiers (freed blocks
+are poisoned): mismatches must be 0.
 
 Simulated node (`pause_sim.py`): llama-3-70b on 8xH100 (the seed's deployment), the same
 sessions and waits, pools as fractions of the working set, all policies. Policies in
@@ -28,7 +36,7 @@ line is one JSON object: "policies" (the CPU run), "sim" {"policies"}, and the g
 really had) as JSON lines, to compare policies pause by pause on the same waits.
 
 Usage: python benchmarks/bench_pause.py [--quick] [--emulate h100-pcie5] [--no-sim]
-Figures are wall-clock on this machine; CPU seconds are reported beside them.
+The CPU run's figures are on its clock (compute by default); CPU seconds are beside them.
 """
 
 from __future__ import annotations

@@ -151,6 +151,14 @@ def calibrate(rate: float, per_token: float, target: EmulationTarget, cpu_s: flo
     )
 
 
+def arrival_gap(sessions: list[list[Turn]], cal: Calibration) -> float:
+    """Sessions arrive one first turn's prefill apart (the mean one's, at the calibrated
+    rate): as fast as the engine can take them in, not all at once (36 cold prefills queued
+    together made the first resumes wait seconds behind them: the p99 of the whole run)."""
+    first = [len(s[0].tokens) for s in sessions if s]
+    return sum(first) / max(len(first), 1) / cal.prefill_tokens_per_s
+
+
 def emulated_engine(
     model: str,
     policy: str,
@@ -227,10 +235,11 @@ def replay(
     log: PauseLog | None = None,
     rep: int = 0,
     clock_name: str = "compute",
-    stagger_s: float = 0.02,
+    stagger_s: float | None = None,
 ) -> dict[str, Any]:
-    """Replay ``sessions`` under ``policy``: session i's first turn at ``i * stagger_s``, each
-    next turn its pause after the last one finished. On the compute clock
+    """Replay ``sessions`` under ``policy``: session i's first turn at ``i * stagger_s``
+    (default `arrival_gap`), each next turn its pause after the last one finished. On the
+    compute clock
     (`kvpilot.emulate.clock`) the pauses and the emulated copies are waited for by moving
     the clock on, so a replay costs its compute; on the wall clock they are slept."""
     told_truth = policy in TRUE_WAIT_POLICIES
@@ -243,7 +252,8 @@ def replay(
         offload = engine.offload
         handles = [engine.open_session() for _ in sessions]
         nxt = [0] * len(sessions)
-        first = [stagger_s * i for i in range(len(sessions))]
+        gap = arrival_gap(sessions, cal) if stagger_s is None else stagger_s
+        first = [gap * i for i in range(len(sessions))]
         due, active = list(first), [0.0] * len(sessions)
         pending: dict[str, int] = {}
         busy: set[int] = set()
