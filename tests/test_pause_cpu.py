@@ -10,10 +10,10 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-from pause_cpu import Pools, calibrate, recompute, replay  # noqa: E402
-from pause_workload import Turn  # noqa: E402
+from pause_cpu import Pools, calibrate, recompute, replay
+from pause_workload import Turn
 
-from kvpilot.emulate.target import emulation_target  # noqa: E402
+from kvpilot.emulate.target import emulation_target
 
 
 def sessions(n: int, turns: int, wait_s: float) -> list[list[Turn]]:
