@@ -13,7 +13,7 @@ context), device<->host link and disk slowed so that reload : recompute matches 
 on the compute clock (`kvpilot.emulate.clock`, --clock compute): the engine's time is the CPU
 time of the thread that steps it, and waits (pauses, emulated copies) move the clock on at
 once instead of being slept, so a replay costs its compute and a loaded machine changes
-little; --clock wall sleeps them. 36 sessions (--quick; 60 without): the trace's, then copies
+little; --clock wall sleeps them. 24 sessions (--quick; 60 without): the trace's, then copies
 of them in another agent's words (own token hash, own approvals), in tokens of 8 bytes,
 arriving one mean first-turn prefill apart. Each repetition is one draw of the approvals
 (--seed + repetition), the same for every policy. --dilation stretches every wait (auto: by

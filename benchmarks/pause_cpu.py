@@ -53,7 +53,7 @@ class Shape:
         )
 
 
-QUICK_SHAPE = Shape(sessions=36, max_tokens=2048, max_turns=10)
+QUICK_SHAPE = Shape(sessions=24, max_tokens=2048, max_turns=10)
 FULL_SHAPE = Shape(sessions=60, max_tokens=4096, max_turns=20)
 
 
