@@ -10,6 +10,7 @@ being loaded into are pinned in the `TierResidency`, never evictable.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -28,6 +29,11 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 OFF_DEVICE = (Tier.HOST, Tier.DISK)
+# A turn that needs its prefix back from host now (no prefetch brought it) waits for a load of
+# at most this much link time in the step that wants it, as a compute stream waits on a copy
+# event, instead of sitting out a whole step (the load noticed only at the next poll): on
+# the emulated CPU run such resumes waited a step each, the most of their time to first token.
+SYNC_LOAD_MAX_S = 0.01
 
 
 @dataclass(eq=False, slots=True)
@@ -84,6 +90,7 @@ class TierLoader:
         self.loads: dict[int, Load] = {}
         self.loaded: dict[int, dict[Tier, int]] = {}  # traj_id -> tokens loaded per tier
         self.disk_hint: set[int] = set()  # trajectories whose blocks may be on disk
+        self.sync_loads = 0  # loads finished in the step that wanted them (`_finish_now`)
 
     def ensure_resident(
         self, traj: Trajectory, *, prefetch: bool = False, session_id: str | None = None
@@ -95,6 +102,8 @@ class TierLoader:
             if not prefetch and job.prefetch:
                 job.prefetch = False
                 self.stats.prefetch_stalls += 1
+            if not prefetch and self._finish_now(job):
+                return self.ensure_resident(traj, session_id=session_id)
             return Residency.LOADING
         on_disk = self.disk is not None and len(self.disk) > 0
         if not self.radix.cached_blocks(Tier.HOST) and not on_disk:
@@ -139,7 +148,29 @@ class TierLoader:
         self.loads[traj.traj_id] = job
         if not prefetch:
             self.stats.prefetch_stalls += 1
+            if self._finish_now(job):
+                return self.ensure_resident(traj, session_id=session_id)
         return Residency.LOADING
+
+    def _finish_now(self, job: Load) -> bool:
+        """Wait for a host-only load whose copy has at most `SYNC_LOAD_MAX_S` of link time
+        left and complete it; True when it did."""
+        if job.host_transfer is None or job.done_host or not job.done_disk:
+            return False
+        nbytes = len(job.host_map) * self.block_bytes
+        finish = getattr(job.host_transfer, "finish_s", None)
+        if isinstance(finish, float):  # a copy on a clock that says when it ends
+            left = finish - self.now()
+        else:
+            bw = self.link.get(0.0)
+            left = nbytes / bw if bw > 0 else math.inf
+        if left > SYNC_LOAD_MAX_S:
+            return False
+        self._finish_host(job)
+        del self.loads[job.traj.traj_id]
+        self.stats.reload_s.append(self.now() - job.started)
+        self.sync_loads += 1
+        return True
 
     def _allocate_device(
         self, need: int, path: list[RadixNode], host_nodes: list[RadixNode]
