@@ -154,9 +154,12 @@ class TierLoader:
 
     def _finish_now(self, job: Load) -> bool:
         """Wait for a host-only load whose copy has at most `SYNC_LOAD_MAX_S` of link time
-        left and complete it; True when it did."""
+        left and complete it; True when it did. Not on a transport whose ``sync_loads`` is
+        False (the simulator's: `kvpilot.sim.transport.SimulatedTransport`)."""
         if job.host_transfer is None or job.done_host or not job.done_disk:
             return False
+        if not getattr(self.transport, "sync_loads", True):
+            return False  # a transport that says a step must not wait on its copies
         nbytes = len(job.host_map) * self.block_bytes
         finish = getattr(job.host_transfer, "finish_s", None)
         if isinstance(finish, float):  # a copy on a clock that says when it ends

@@ -42,7 +42,14 @@ class SimulatedTransfer:
 
 
 class SimulatedTransport:
-    """Implements `kvpilot.engine.executor.TierTransport` on the virtual clock."""
+    """Implements `kvpilot.engine.executor.TierTransport` on the virtual clock.
+
+    ``sync_loads`` False: no load is waited for inside a step (`kvpilot.engine.tier_loader.
+    SYNC_LOAD_MAX_S`): the simulator's fast paths (decode runs, idle skips) move the clock at
+    step boundaries only, and must give the same results as stepping one by one.
+    """
+
+    sync_loads = False
 
     def __init__(
         self,
