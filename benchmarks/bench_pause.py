@@ -64,7 +64,7 @@ from pause_cpu import (
 )
 from pause_goals import goals, print_verdict
 from pause_log import PauseLog
-from pause_workload import describe_waits, dilated, working_set_tokens
+from pause_workload import describe_waits, dilated, pct, working_set_tokens
 
 from kvpilot.emulate.target import EMULATION_TARGETS, emulation_target
 from kvpilot.policy.pause import POLICY_NAMES
@@ -209,10 +209,15 @@ def cpu_run(
 
 
 def median_row(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """The median of each figure over repetitions, the turns/s spread, mismatches summed."""
+    """The median of each figure over repetitions, the turns/s spread, mismatches summed; the
+    resume TTFT percentiles are those of every repetition's resumes together (one
+    repetition's p99 is its second-slowest resume: the median of three such is noise)."""
     row = dict(runs[len(runs) // 2])  # decisions and the like: one run's
     for key in MEDIAN_KEYS:
         row[key] = statistics.median(r[key] for r in runs)
+    pooled = [t for r in runs for t in r["resume_ttft_s"]]
+    row["p50_resume_ttft_s"] = round(pct(pooled, 0.5), 4)
+    row["p99_resume_ttft_s"] = round(pct(pooled, 0.99), 4)
     row["bytes_moved"] = {
         d: statistics.median(r["bytes_moved"].get(d, 0) for r in runs)
         for d in runs[0]["bytes_moved"]

@@ -320,6 +320,7 @@ def replay(
             "p50_resume_ttft_s": round(pct(stats.resume_ttft_s, 0.5), 4),
             "p99_resume_ttft_s": round(pct(stats.resume_ttft_s, 0.99), 4),
             "resumes": len(stats.resume_ttft_s),
+            "resume_ttft_s": list(stats.resume_ttft_s),  # pooled over repetitions
             "idle_gb_s": round(stats.idle_gb_s, 4),
             "bytes_moved": dict(stats.bytes_moved),
             "decisions": dict(stats.decisions),

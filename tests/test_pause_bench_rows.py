@@ -1,4 +1,4 @@
-"""bench_pause's simulated node: medians over draws, resume percentiles over every resume."""
+"""bench_pause's rows: medians over draws or repetitions, resume percentiles over every resume."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
+import bench_pause
 import pause_sim
 
 
@@ -40,3 +41,17 @@ def test_resume_percentiles_pool_every_draws_resumes() -> None:
     assert out["p99_resume_ttft_s"] == 0.6  # not the median of the draws' p99s
     assert out["p50_resume_ttft_s"] == 0.01
     assert out["bytes_moved"] == {"device_to_host": 5}
+
+
+def test_cpu_run_rows_pool_every_repetitions_resumes() -> None:
+    fast = [0.01] * 98
+    runs = [row(1.0, [*fast, 0.5, 2.0]), row(3.0, [*fast, 0.6, 3.0]), row(2.0, [*fast, 0.02, 0.03])]
+    for r, mismatches in zip(runs, (0, 1, 0), strict=True):
+        r.update(mismatches=mismatches, cpu_s=1.0, achieved_link_ratio=62.0)
+        r["achieved_disk_ratio"] = 0.85
+    out = bench_pause.median_row(runs)
+    assert out["turns_per_s"] == 2.0
+    assert out["p99_resume_ttft_s"] == 0.6
+    assert out["p50_resume_ttft_s"] == 0.01
+    assert out["mismatches"] == 1
+    assert out["turns_per_s_range"] == (1.0, 3.0)
