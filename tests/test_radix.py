@@ -358,6 +358,24 @@ def test_partial_eviction_of_a_node_with_another_copy_splits_it() -> None:
     cache.check_invariants()
 
 
+def filled_tree(
+    inserted: list[list[int]], host_every: int, *, host_only_odd: bool = False
+) -> RadixCache:
+    """A block-size-2 cache holding ``inserted`` (cut to whole blocks); every
+    ``host_every``-th node also gets a host copy (and, with ``host_only_odd``, the odd ones
+    of those lose their device copy)."""
+    radix, device = make_cache(block_size=2, device=200, host=200)
+    for tokens in inserted:
+        full = tokens[: len(tokens) // 2 * 2]
+        radix.insert(full, device.allocate(len(full) // 2))
+    for i, node in enumerate(list(radix.iter_nodes())):
+        if not node.is_root and host_every and i % host_every == 0:
+            radix.add_copy(node, Tier.HOST, radix.pools[Tier.HOST].allocate(node.num_blocks))
+            if host_only_odd and i % 2:
+                radix.drop_copy(node, Tier.DEVICE)
+    return radix
+
+
 @given(
     st.lists(st.lists(st.integers(0, 2), min_size=2, max_size=16), min_size=1, max_size=6),
     st.lists(st.integers(0, 2), max_size=20),
@@ -366,13 +384,7 @@ def test_partial_eviction_of_a_node_with_another_copy_splits_it() -> None:
 def test_peek_counts_what_a_match_finds_without_touching_the_tree(
     inserted: list[list[int]], query: list[int], host_every: int
 ) -> None:
-    radix, device = make_cache(block_size=2, device=200, host=200)
-    for seq in inserted:
-        full = seq[: len(seq) // 2 * 2]
-        radix.insert(full, device.allocate(len(full) // 2))
-    for i, node in enumerate(list(radix.iter_nodes())):
-        if not node.is_root and host_every and i % host_every == 0:
-            radix.add_copy(node, Tier.HOST, radix.pools[Tier.HOST].allocate(node.num_blocks))
+    radix = filled_tree(inserted, host_every)
     seen = {id(n): (n.last_access, len(n.children)) for n in radix.iter_nodes()}
     stats = (radix.stats.queried_tokens, radix.stats.hit_tokens)
     peek = radix.peek(query, None)
@@ -417,16 +429,7 @@ def test_a_match_or_peek_below_a_known_node_is_the_one_from_the_root(
     query = inserted[pick % len(inserted)] + extra
     caches = []
     for _ in range(2):
-        radix, device = make_cache(block_size=2, device=200, host=200)
-        for tokens in inserted:
-            full = tokens[: len(tokens) // 2 * 2]
-            radix.insert(full, device.allocate(len(full) // 2))
-        for i, node in enumerate(list(radix.iter_nodes())):
-            if not node.is_root and host_every and i % host_every == 0:
-                host = radix.pools[Tier.HOST].allocate(node.num_blocks)
-                radix.add_copy(node, Tier.HOST, host)
-                if i % 2:
-                    radix.drop_copy(node, Tier.DEVICE)
+        radix = filled_tree(inserted, host_every, host_only_odd=True)
         # The node a trajectory on this query would lock: the match of a prefix of it.
         node = radix.match(query[:known], record=False, tier=None).node
         caches.append((radix, node))

@@ -64,6 +64,19 @@ def simulate(
     return sim, engine
 
 
+def count_steps(engine: Engine) -> list[int]:
+    """Count the engine's `step` calls from now on, in the one-item list returned."""
+    calls = [0]
+    original = engine.step
+
+    def counted(**kwargs: Any) -> Any:
+        calls[0] += 1
+        return original(**kwargs)
+
+    engine.step = counted  # type: ignore[method-assign]
+    return calls
+
+
 def radix_dump(engine: Engine) -> list[Any]:
     out: list[Any] = []
 
@@ -179,19 +192,11 @@ def test_decode_runs_give_the_same_simulation_as_single_steps(
 def test_decode_runs_replace_most_steps_under_a_decode_heavy_load() -> None:
     setup = setup_for(4000, 0.9, 512, True)
     wl = workload(7, 16, 0.0, 1.5, 4)
-    calls = 0
     engine, _ = build_engine(setup, wl.vocab_size, "breakeven")
-    original = engine.step
-
-    def counted(**kwargs: Any) -> Any:
-        nonlocal calls
-        calls += 1
-        return original(**kwargs)
-
-    engine.step = counted  # type: ignore[method-assign]
+    calls = count_steps(engine)
     sim = Simulator(engine, duration_s=setup.duration_s)
     sim.run(AgentDriver(wl, engine.max_model_len))
-    assert engine.stats.steps > 5 * calls  # most steps were advanced in runs
+    assert engine.stats.steps > 5 * calls[0]  # most steps were advanced in runs
 
 
 @pytest.mark.parametrize("policy", ["breakeven", "offload-host"])

@@ -13,12 +13,11 @@ import dataclasses
 import math
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_sim_decode_runs import assert_same, state, workload
+from test_sim_decode_runs import assert_same, count_steps, state, workload
 
 from kvpilot.engine.clock import VirtualClock
 from kvpilot.engine.config import EngineConfig
@@ -55,19 +54,11 @@ def simulate(
 ) -> tuple[Simulator, Engine, int]:
     wl = workload(seed, agents, 0.0, wait, 5)
     engine, _ = build_engine(setup, wl.vocab_size, policy)
-    calls = 0
-    original = engine.step
-
-    def counted(**kwargs: Any) -> Any:
-        nonlocal calls
-        calls += 1
-        return original(**kwargs)
-
-    engine.step = counted  # type: ignore[method-assign]
+    calls = count_steps(engine)
     sim = Simulator(engine, duration_s=setup.duration_s, sample_interval_s=0.7, idle_skips=skips)
     sim.run(AgentDriver(wl, engine.max_model_len))
     engine.check_invariants()
-    return sim, engine, calls
+    return sim, engine, calls[0]
 
 
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])

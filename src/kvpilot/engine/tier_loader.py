@@ -170,8 +170,7 @@ class TierLoader:
         if left > SYNC_LOAD_MAX_S:
             return False
         self._finish_host(job)
-        del self.loads[job.traj.traj_id]
-        self.stats.reload_s.append(self.now() - job.started)
+        self._retire(job)
         self.sync_loads += 1
         return True
 
@@ -228,12 +227,16 @@ class TierLoader:
     def poll(self) -> list[Load]:
         """Advance every load whose transfer is done; returns the loads that completed."""
         finished = []
-        for traj_id, job in list(self.loads.items()):
+        for job in list(self.loads.values()):
             if self._advance(job):
-                del self.loads[traj_id]
-                self.stats.reload_s.append(self.now() - job.started)
+                self._retire(job)
                 finished.append(job)
         return finished
+
+    def _retire(self, job: Load) -> None:
+        """A complete load leaves the table; its time from start to end is a reload time."""
+        del self.loads[job.traj.traj_id]
+        self.stats.reload_s.append(self.now() - job.started)
 
     def _advance(self, job: Load) -> bool:
         """Progress a load whose current transfer finished; True when it is complete."""
