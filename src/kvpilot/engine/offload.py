@@ -337,16 +337,18 @@ class OffloadManager:
                 self.records.change(record, PauseState.PREFETCHED)
 
     def reclaim(self, idle: Seq[PausableSession]) -> int:
-        """Memory pressure, with idle state to demote: copies out to host already under way (a
-        pause's offload) free their blocks first: wait for them, and demote nothing more this
-        call (a write to disk runs at the disk's speed, slower than demoting a state to
-        host). Else demote the idle
-        trajectory back last (`pricing.pick_demotion`) to
-        host (the copy waited for), awaited there like an offload; when the host has no room
-        for it, to disk if its round trip beats a recompute (`pricing.disk_demotion_reload_s`,
-        the write waited for); else to the prefix cache, where eviction takes it. A state
-        prefetched back and demoted again still has its host copy: nothing is copied, and it
-        is awaited there like any demotion to host (held, not LRU room; prefetched back)."""
+        """Memory pressure, with idle state to demote; returns 0 when nothing gave way (the
+        scheduler stops asking), else 1.
+
+        Copies out to host already under way (a pause's offload) free their blocks first:
+        wait for them and demote nothing more this call (copies to disk are not waited for:
+        they run at the disk's speed, slower than demoting a state to host). Else demote the
+        idle trajectory back last (`pricing.pick_demotion`) to host (the copy waited for),
+        awaited there like an offload; when the host has no room for it, to disk if its round
+        trip beats a recompute (`pricing.disk_demotion_reload_s`, the write waited for); else
+        to the prefix cache, where eviction takes it. A state prefetched back and demoted
+        again still has its host copy: nothing is copied, and it is awaited there like any
+        demotion to host (held, not LRU room; prefetched back)."""
         holders = [s for s in idle if s.traj.block_table and self.held_bytes(s.traj)]
         if not holders:
             return 0

@@ -172,11 +172,7 @@ class SessionTable(Mapping[str, Session]):
 
     def idle(self) -> list[Session]:
         """Sessions between turns that hold device KV."""
-        return [  # hot path (sampled every second): `Session.idle`, inline
-            s
-            for s in self._sessions.values()
-            if s.active_request is None and not s.closed and s.traj.block_table
-        ]
+        return [s for s in self._sessions.values() if s.idle and s.traj.block_table]
 
     # -- opening and closing ----------------------------------------------------------
 

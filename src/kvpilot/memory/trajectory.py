@@ -224,17 +224,15 @@ class Trajectory:
                 self._radix.evict(short)
             self.block_table += pool.allocate(need)
             return
-        fresh = window.pool.allocate(need) if window is not None else []
+        fresh = window.pool.allocate(need)  # a hybrid model's window blocks first
         try:
             if pool.num_free < need:
                 self._radix.evict(need - pool.num_free)
             self.block_table.extend(pool.allocate(need))
         except OutOfBlocks:
-            if window is not None:
-                window.pool.release(fresh)
+            window.pool.release(fresh)
             raise
-        if window is not None:
-            window.grow(fresh)
+        window.grow(fresh)
 
     def mark_computed(self, n: int) -> None:
         if self.closed:
