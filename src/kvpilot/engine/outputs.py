@@ -25,26 +25,41 @@ def seq_text(tokenizer: Any, seq: Sequence) -> str:
 
 
 def snapshot(request: Request, tokenizer: Any) -> RequestOutput:
-    outputs = tuple(
-        CompletionOutput(
-            s.index, seq_text(tokenizer, s), tuple(s.output_token_ids), s.finish_reason
+    seqs = request.seqs
+    if len(seqs) == 1:  # the common case (n = 1), without sorting and gathering
+        s = seqs[0]
+        outputs: tuple[CompletionOutput, ...] = (
+            CompletionOutput(
+                s.index, seq_text(tokenizer, s), tuple(s.output_token_ids), s.finish_reason
+            ),
         )
-        for s in sorted(request.seqs, key=lambda s: s.index)
-    )
-    firsts = [s.first_token_time for s in request.seqs if s.first_token_time is not None]
-    done = [s.finish_time for s in request.seqs if s.finish_time is not None]
+        first = s.first_token_time
+        done = s.finish_time
+    else:
+        outputs = tuple(
+            CompletionOutput(
+                s.index, seq_text(tokenizer, s), tuple(s.output_token_ids), s.finish_reason
+            )
+            for s in sorted(seqs, key=lambda s: s.index)
+        )
+        firsts = [s.first_token_time for s in seqs if s.first_token_time is not None]
+        finishes = [s.finish_time for s in seqs if s.finish_time is not None]
+        first = min(firsts) if firsts else None
+        done = max(finishes) if finishes else None
+    finished = request.finished
+    prompt = request.prompt_token_ids
     return RequestOutput(
-        request_id=request.request_id,
-        prompt_token_ids=tuple(request.prompt_token_ids),
-        prompt_tokens=request.history_tokens + len(request.prompt_token_ids),
-        cached_tokens=request.cached_tokens,
-        cached_tokens_by_tier=dict(request.cached_by_tier),
-        outputs=outputs,
-        finished=request.finished,
-        arrival_time=request.arrival_time,
-        first_token_time=min(firsts) if firsts else None,
-        finish_time=max(done) if request.finished and done else None,
-        session_id=request.session_id,
+        request.request_id,
+        tuple(prompt),
+        request.history_tokens + len(prompt),
+        request.cached_tokens,
+        dict(request.cached_by_tier),
+        outputs,
+        finished,
+        request.arrival_time,
+        first,
+        done if finished else None,
+        request.session_id,
     )
 
 

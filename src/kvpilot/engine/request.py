@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 
 PauseHint = tuple[float | None, str | None]  # (expected tool wait, tool) announced by a turn
 _NO_HITS = dict.fromkeys(Tier, 0)  # prefix hit tokens by tier, before admission
+_MAX = np.maximum.reduce  # ndarray.max without its Python wrapper
 
 
 class SeqStatus(enum.Enum):
@@ -251,8 +252,11 @@ class RequestLimits:
         limit = self.vocab_size
         fits = False
         if ids is not None:
-            view = np.frombuffer(ids, dtype=np.int32)
-            fits = bool(view.min() >= 0 and (limit is None or view.max() < limit))
+            # One reduction instead of min and max: read as uint32, a negative id is at least
+            # 2**31, so every id is in [0, limit) exactly when the largest is below limit.
+            view = np.frombuffer(ids, dtype=np.uint32)
+            top = 1 << 31 if limit is None else min(limit, 1 << 31)
+            fits = bool(_MAX(view) < top)
         if not fits:
             bad = [t for t in tokens if t < 0 or (limit is not None and t >= limit)]
             if not bad:

@@ -177,6 +177,8 @@ class Scheduler:
         prefill = 0
         running = self.running
         block = self.kv.block_size
+        # `_chunk_of`, inline: at most one chunk, at least one token, within the budget.
+        chunk = cfg.max_prefill_chunk if cfg.chunked_prefill else 0
 
         i = 0
         while i < len(running) and budget > 0:
@@ -184,7 +186,10 @@ class Scheduler:
             traj = seq.traj
             computed = traj.num_computed_tokens
             remaining = len(traj.tokens) - computed
-            n = self._chunk_of(remaining, budget)
+            if remaining == 1 or not chunk:  # a decode (the budget is positive)
+                n = remaining
+            else:
+                n = max(1, min(remaining, chunk, budget))
             # Most decode steps need no new block: `_try_allocate`'s own first test, inline.
             if computed + n > len(traj.block_table) * block and not self._try_allocate(seq, n):
                 if len(running) == 1:
@@ -197,7 +202,7 @@ class Scheduler:
                     break  # seq preempted itself: everything after it is gone too
             item = ScheduledSeq(seq, n, n == remaining)
             scheduled.append(item)
-            works.append(self._work(item))
+            works.append(self._work(seq, n, item.sample))
             if n > 1 or n != remaining:
                 prefill += n
             budget -= n
@@ -241,7 +246,7 @@ class Scheduler:
             self.running.append(seq)
             item = ScheduledSeq(seq, n, n == seq.remaining_tokens)
             scheduled.append(item)
-            works.append(self._work(item))
+            works.append(self._work(seq, n, item.sample))
             if n > 1 or not item.sample:
                 prefill += n
             budget -= n
@@ -339,22 +344,24 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    def _work(self, s: ScheduledSeq) -> SeqWork:
-        seq = s.seq
+    def _work(self, seq: Sequence, num_tokens: int, sample: bool) -> SeqWork:
         traj = seq.traj
         start = traj.num_computed_tokens
         req = seq.request
-        fan_out = req.params.n if (req.params.n > 1 and not req.forked) else 1
+        params = req.params
+        window = traj.window
         return SeqWork(
-            seq_id=seq.seq_id,
-            token_ids=traj.tokens[start : start + s.num_tokens],
-            start_pos=start,
-            block_table=traj.block_table,  # not copied: executors read it during the call only
-            sampling=req.params if s.sample else None,
-            step=len(seq.output_token_ids),
-            seed=seq.seed,
-            sample_count=fan_out,
-            window_table=None if traj.window is None else traj.window.blocks,
+            seq.seq_id,
+            # A slice of the int32 copy, not of the list: a prefill chunk's slice of the list
+            # touches every int object (a cache miss each); this one is a memcpy.
+            traj.token_array()[start : start + num_tokens],
+            start,
+            traj.block_table,  # not copied: executors read it during the call only
+            params if sample else None,
+            len(seq.output_token_ids),
+            seq.seed,
+            params.n if (params.n > 1 and not req.forked) else 1,
+            None if window is None else window.blocks,
         )
 
     def check_invariants(self) -> None:
