@@ -450,10 +450,17 @@ def test_a_steps_token_counts_add_up_its_scheduled_work(
         prefill = sum(s.num_tokens for s in items if s.num_tokens > 1 or not s.sample)
         assert out.num_prefill_tokens == prefill
         assert out.num_decode_tokens == out.num_batched_tokens - prefill
+        ends = [w.start_pos + len(w.token_ids) for w in out.works]
+        assert out.context == max(ends, default=0)
+        left = budget
         for s, w in zip(items, out.works, strict=True):
             traj = s.seq.traj
             assert w.seq_id == s.seq.seq_id and w.start_pos == traj.num_computed_tokens
             assert list(w.token_ids) == traj.tokens[w.start_pos : w.start_pos + s.num_tokens]
+            # Chunks in batch order, each `_chunk_of` what is left of the budget.
+            chunk = engine.scheduler._chunk_of(len(traj.tokens) - w.start_pos, left)
+            assert s.num_tokens == chunk
+            left -= chunk
         seen["prefill"] += prefill
         return out
 
@@ -462,6 +469,28 @@ def test_a_steps_token_counts_add_up_its_scheduled_work(
         engine.add_request(prompt(i, length), SamplingParams(max_tokens=max_tokens))
     run_checked(engine)
     assert engine.stats.prefill_tokens == seen["prefill"]
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.lists(
+        st.tuples(st.integers(1, 40), st.integers(1, 6), st.integers(1, 3)), min_size=1, max_size=8
+    ),
+    st.integers(2, 12),
+)
+def test_a_step_without_snapshots_returns_exactly_the_requests_it_finished(
+    requests: list[tuple[int, int, int]], budget: int
+) -> None:
+    """``step(snapshots=False)`` (the simulator's) returns the outputs of the requests that
+    finished in that step, in the order ``step()`` snapshots them, n > 1 included."""
+    full, lean = (make_engine(max_num_batched_tokens=budget) for _ in range(2))
+    for engine in (full, lean):
+        for i, (length, max_tokens, n) in enumerate(requests):
+            engine.add_request(prompt(i, length), SamplingParams(max_tokens=max_tokens, n=n))
+    while full.has_unfinished():
+        want = [o.request_id for o in full.step() if o.finished]
+        assert [o.request_id for o in lean.step(snapshots=False)] == want
+    assert not lean.has_unfinished()
 
 
 def test_a_one_token_chunk_of_a_prompt_counts_as_prefill() -> None:

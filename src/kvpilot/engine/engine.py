@@ -244,8 +244,7 @@ class Engine:
         now = self.clock.now()
         self.stats.observe_step(now - start, sched.num_prefill_tokens, sched.num_decode_tokens)
         if sched.num_prefill_tokens:
-            context = max(w.start_pos + len(w.token_ids) for w in sched.works)
-            self.offload.observe_step(sched.num_prefill_tokens, now - start, context)
+            self.offload.observe_step(sched.num_prefill_tokens, now - start, sched.context)
         return self._process(sched, result.tokens, now, snapshots)
 
     def _let_copies_run(self, idle_until: float | None) -> None:
@@ -272,6 +271,7 @@ class Engine:
         observe_computed = self.offload.observe_computed
         append_token = self._append_token
         progressed: dict[str, Request] = {}
+        finishing = False  # a sequence finished: only then can a request have finished
         for item in sched.scheduled:  # hot path: every running sequence, every step
             seq = item.seq
             traj = seq.traj
@@ -286,11 +286,17 @@ class Engine:
             progressed[request.request_id] = request
             if len(tokens) > 1:
                 self._fan_out(seq, tokens, now)
-            else:
-                append_token(seq, tokens[0], now)
-        for request in progressed.values():
-            self._finish_request_if_done(request)
+                finishing = True  # branches: checked as before, rare
+            elif append_token(seq, tokens[0], now):
+                finishing = True
+        if finishing:
+            for request in progressed.values():
+                self._finish_request_if_done(request)
         if not snapshots:
+            # A request progressed this step was unfinished before it (a finished one is
+            # filed and never scheduled again): only those that finished now are filed.
+            if not finishing:
+                return []
             done = self._finished_outputs
             return [done[rid] for rid in progressed if rid in done]
         return [self._snapshot(r) for r in progressed.values()]
@@ -323,16 +329,19 @@ class Engine:
         for child, token in zip(children, tokens[1:], strict=True):
             self._append_token(child, token, now)
 
-    def _append_token(self, seq: Sequence, token: int, now: float) -> None:
+    def _append_token(self, seq: Sequence, token: int, now: float) -> bool:
+        """Append a sampled token; returns whether it finished the sequence."""
         seq.traj.append_token(token)
         seq.output_token_ids.append(token)
         if seq.first_token_time is None and seq.index == 0 and seq.request.resumed:
             self.offload.observe_resume_ttft(now - seq.request.arrival_time)
         self.stats.observe_token(seq, now)
         reason = stop_reason(seq, token, self.eos_token_ids, self.tokenizer, self.max_model_len)
-        if reason is not None:
-            self.scheduler.remove(seq)
-            self._finish_seq(seq, reason)
+        if reason is None:
+            return False
+        self.scheduler.remove(seq)
+        self._finish_seq(seq, reason)
+        return True
 
     def _finish_seq(self, seq: Sequence, reason: str) -> None:
         seq.status = SeqStatus.FINISHED

@@ -77,8 +77,10 @@ class ScheduledSeq:
     sample: bool
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class SchedulerOutput:
+    """One step's batch (not frozen, like `SeqWork`: one is built per step; read-only)."""
+
     scheduled: list[ScheduledSeq]
     works: list[SeqWork]
     preempted: list[Sequence]
@@ -86,6 +88,7 @@ class SchedulerOutput:
     num_batched_tokens: int
     num_prefill_tokens: int
     num_decode_tokens: int
+    context: int = 0  # the longest context a work reaches: max(start_pos + len(token_ids))
 
     @property
     def empty(self) -> bool:
@@ -174,7 +177,7 @@ class Scheduler:
         works: list[SeqWork] = []
         preempted: list[Sequence] = []
         starved: list[Sequence] = []
-        prefill = 0
+        prefill = context = 0
         running = self.running
         block = self.kv.block_size
         # `_chunk_of`, inline: at most one chunk, at least one token, within the budget.
@@ -205,6 +208,8 @@ class Scheduler:
             works.append(self._work(seq, n, item.sample))
             if n > 1 or n != remaining:
                 prefill += n
+            if computed + n > context:
+                context = computed + n
             budget -= n
             i += 1
 
@@ -249,11 +254,12 @@ class Scheduler:
             works.append(self._work(seq, n, item.sample))
             if n > 1 or not item.sample:
                 prefill += n
+            context = max(context, seq.traj.num_computed_tokens + n)
             budget -= n
 
         total = cfg.max_num_batched_tokens - budget
         return SchedulerOutput(
-            scheduled, works, preempted, starved, total, prefill, total - prefill
+            scheduled, works, preempted, starved, total, prefill, total - prefill, context
         )
 
     def _resident(self, seq: Sequence) -> bool:
