@@ -19,7 +19,8 @@ from kvpilot.memory.hashing import ModelFingerprint
 class SeqWork:
     """One sequence's share of a step (read-only for executors).
 
-    ``token_ids`` are the tokens whose KV this step computes, at positions
+    ``token_ids`` are the tokens whose KV this step computes (the scheduler hands a slice of
+    the trajectory's int32 ids, an ``array('i')``), at positions
     ``start_pos .. start_pos + len(token_ids) - 1``; ``start_pos`` tokens of KV are already
     in the cache (read through ``block_table``). ``block_table`` lists device block ids
     covering at least ``start_pos + len(token_ids)`` positions; position p lives in block

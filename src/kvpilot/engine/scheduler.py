@@ -189,10 +189,8 @@ class Scheduler:
             traj = seq.traj
             computed = traj.num_computed_tokens
             remaining = len(traj.tokens) - computed
-            if remaining == 1 or not chunk:  # a decode (the budget is positive)
-                n = remaining
-            else:
-                n = max(1, min(remaining, chunk, budget))
+            # A decode takes its one token (the budget is positive), a prefill its chunk.
+            n = remaining if remaining == 1 or not chunk else max(1, min(remaining, chunk, budget))
             # Most decode steps need no new block: `_try_allocate`'s own first test, inline.
             if computed + n > len(traj.block_table) * block and not self._try_allocate(seq, n):
                 if len(running) == 1:
