@@ -424,7 +424,20 @@ def test_finished_requests_are_freed_without_the_cyclic_collector() -> None:
     run_checked(engine)
     assert kept.released and kept.finished and not kept.seqs
     with pytest.raises(AssertionError, match="only a finished request"):
-        Request("r", [1], SamplingParams(), 0.0, seed=1).release()
+        Request("r", (1,), SamplingParams(), 0.0, seed=1).release()
+
+
+def test_snapshots_share_the_requests_prompt_uncopied() -> None:
+    """Every snapshot of a request (one per step with snapshots on) hands out the same
+    prompt tuple: a long prompt is not copied again at each generated token."""
+    engine = make_engine()
+    ids = prompt(7, 40)
+    rid = engine.add_request(ids, SamplingParams(max_tokens=4))
+    first = engine.step()[0]
+    assert first.request_id == rid and first.prompt_token_ids == tuple(ids)
+    later = [out for _ in range(3) for out in engine.step()]
+    assert later[-1].finished
+    assert all(out.prompt_token_ids is first.prompt_token_ids for out in later)
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -186,7 +186,7 @@ class Engine:
         seed = params.seed if params.seed is not None else self._rng.getrandbits(31)
         request = Request(
             request_id=rid,
-            prompt_token_ids=tokens,
+            prompt_token_ids=tuple(tokens),
             params=params,
             arrival_time=self.clock.now(),
             seed=seed,

@@ -50,7 +50,7 @@ def snapshot(request: Request, tokenizer: Any) -> RequestOutput:
     prompt = request.prompt_token_ids
     return RequestOutput(
         request.request_id,
-        tuple(prompt),
+        tuple(prompt),  # the request's own tuple (tuple() of a tuple returns it): no copy
         request.history_tokens + len(prompt),
         request.cached_tokens,
         dict(request.cached_by_tier),

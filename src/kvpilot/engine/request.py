@@ -71,7 +71,7 @@ class Sequence:
 @dataclass(eq=False, slots=True)
 class Request:
     request_id: str
-    prompt_token_ids: list[int]
+    prompt_token_ids: tuple[int, ...]  # a tuple, so that every snapshot shares it uncopied
     params: SamplingParams
     arrival_time: float
     seed: int
