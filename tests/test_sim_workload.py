@@ -207,3 +207,39 @@ def test_content_ids_are_splitmix64_of_a_counter(key: list[int], n: int, vocab: 
         seed = _mix64(((seed ^ part) + 0x9E3779B97F4A7C15) & _MASK64)
     expected = [1 + _mix64((seed + j) & _MASK64) % (vocab - 1) for j in range(n)]
     assert _ids(tuple(key), n, vocab) == expected
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    seed=st.integers(0, 2**40),
+    index=st.integers(0, 30),
+    vocab=st.sampled_from([16, 32000, 2**31, 2**31 + 7, 2**40]),
+)
+def test_trajectory_ids_hash_every_turn_as_content_does(seed: int, index: int, vocab: int) -> None:
+    """`trajectory_ids` hashes all of a trajectory's turns (forks' branches included) in one
+    pass: each turn's ids are `content`'s for its seed and length, in `content_ids`' array
+    type; the first prompt built from them is `first_prompt`'s."""
+    config = WorkloadConfig.from_dict(
+        {
+            "seed": seed,
+            "vocab_size": vocab,
+            "trajectory": {"turns": {"dist": "uniform", "low": 1, "high": 8}},
+            "branching": {"probability": 0.5, "fork_factor": 2, "max_depth": 2},
+        }
+    )
+    g = WorkloadGenerator(config)
+    spec = g.trajectory(index)
+    ids = g.trajectory_ids(spec)
+    assert g.first_prompt_ids(spec, ids).tolist() == g.first_prompt(spec)
+
+    def check(turns: tuple) -> int:
+        for turn in turns:
+            got = ids.turn(turn)
+            assert got.tolist() == g.content(turn.content_seed, turn.new_tokens)
+            assert got.typecode == g.content_ids(turn.content_seed, turn.new_tokens).typecode
+            if turn.fork is not None:
+                for branch in turn.fork.branches:
+                    check(branch)
+        return len(turns)
+
+    assert check(spec.turns) >= 1

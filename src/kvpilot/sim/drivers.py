@@ -27,7 +27,7 @@ from kvpilot.engine.session import Session
 from kvpilot.sim.arrivals import Arrivals, pause_hint
 from kvpilot.sim.replay import ReplaySession
 from kvpilot.sim.simulator import Simulator
-from kvpilot.sim.trajectories import TrajectorySpec, TurnSpec, WorkloadGenerator
+from kvpilot.sim.trajectories import TrajectoryIds, TrajectorySpec, TurnSpec, WorkloadGenerator
 from kvpilot.sim.workload import WorkloadConfig
 
 
@@ -37,6 +37,7 @@ class _Actor:
 
     uid: int
     spec: TrajectorySpec
+    ids: TrajectoryIds  # the trajectory's content ids, its branches' included
     turns: tuple[TurnSpec, ...]
     session: Session
     parent: _Actor | None = None
@@ -87,9 +88,10 @@ class AgentDriver:
         self._next_index += 1
         spec = self.generator.trajectory(index)
         session = self.sim.engine.open_session()
-        actor = _Actor(next(self._uids), spec, spec.turns, session)
+        ids = self.generator.trajectory_ids(spec)
+        actor = _Actor(next(self._uids), spec, ids, spec.turns, session)
         self.started += 1
-        prompt = self.generator.first_prompt_ids(spec)
+        prompt = self.generator.first_prompt_ids(spec, ids)
         if self._unstable:
             prompt.insert(self._volatile_at, self._volatile(actor))
         self._send(actor, prompt)
@@ -117,7 +119,7 @@ class AgentDriver:
 
     def _next_call(self, actor: _Actor) -> None:
         turn = actor.turns[actor.turn]
-        new = self.generator.content_ids(turn.content_seed, turn.new_tokens)
+        new = actor.ids.turn(turn)
         if not self._unstable:
             self._send(actor, new)
             return
@@ -135,7 +137,9 @@ class AgentDriver:
             self.forks += 1
             actor.branches_left = len(children)
             for child_session, turns in zip(children, fork.branches, strict=True):
-                child = _Actor(next(self._uids), actor.spec, turns, child_session, parent=actor)
+                child = _Actor(
+                    next(self._uids), actor.spec, actor.ids, turns, child_session, parent=actor
+                )
                 child.turn = -1
                 self._advance(child)
             return

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 from array import array
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -52,6 +53,34 @@ class TrajectorySpec:
         return count(self.turns)
 
 
+class TrajectoryIds:
+    """The content ids of one trajectory's turns (`WorkloadGenerator.trajectory_ids`)."""
+
+    __slots__ = ("_at", "_bytes", "_itemsize", "_typecode")
+
+    def __init__(self, ids: np.ndarray, at: dict[tuple[int, int], int], typecode: str) -> None:
+        self._bytes = memoryview(ids).cast("B")
+        self._itemsize = ids.itemsize
+        self._at = at  # (content seed, tokens) -> where the turn's ids start
+        self._typecode = typecode
+
+    def turn(self, turn: TurnSpec) -> array:
+        """``turn``'s content ids: `WorkloadGenerator.content_ids` of its seed and length."""
+        n = turn.new_tokens
+        start = self._at[turn.content_seed, n] * self._itemsize
+        out = array(self._typecode)
+        out.frombytes(self._bytes[start : start + n * self._itemsize])
+        return out
+
+
+def _every_turn(turns: tuple[TurnSpec, ...]) -> Iterator[TurnSpec]:
+    for turn in turns:
+        yield turn
+        if turn.fork is not None:
+            for branch in turn.fork.branches:
+                yield from _every_turn(branch)
+
+
 class WorkloadGenerator:
     """Turns a `WorkloadConfig` into trajectories and their token ids, deterministically."""
 
@@ -62,6 +91,7 @@ class WorkloadGenerator:
         self.system_ids = _ids((config.seed, 1), config.system_tokens, hi)
         self.tool_ids = _ids((config.seed, 2), config.tool_tokens, hi)
         self._shared = array(_typecode(hi), self.system_ids + self.tool_ids)
+        self._content_key = _key_seed((config.seed, 3))  # `content`'s key before the turn's
 
     @property
     def shared_ids(self) -> list[int]:
@@ -84,6 +114,36 @@ class WorkloadGenerator:
         holds, so a prompt of it is not converted id by id (`RequestLimits.prompt_ids`)."""
         return _id_array((self.config.seed, 3, seed), n, self.config.vocab_size)
 
+    def trajectory_ids(self, spec: TrajectorySpec) -> TrajectoryIds:
+        """Every turn's `content_ids` of ``spec`` (its forks' branches included), hashed
+        together: one set of array operations per trajectory instead of one per turn.
+
+        Turn k's ids are the hash of the counter ``seed_k + j`` (j < n_k), ``seed_k`` derived
+        from its content seed as `_key_seed` derives it; the turns' counters laid end to end
+        are ``arange(total) + repeat(seed_k - start_k, n_k)``, modulo 2**64 as before."""
+        at: dict[tuple[int, int], int] = {}
+        seeds: list[int] = []
+        lengths: list[int] = []
+        total = 0
+        for turn in _every_turn(spec.turns):
+            key = (turn.content_seed, turn.new_tokens)
+            if key not in at:  # equal keys, equal ids: hashed once
+                at[key] = total
+                seeds.append(turn.content_seed & _MASK64)
+                lengths.append(turn.new_tokens)
+                total += turn.new_tokens
+        bases = np.array(seeds, dtype=np.uint64)
+        # `_key_seed((config.seed, 3, seed))`, the last step vectorised over the turns.
+        bases ^= np.uint64(self._content_key)
+        bases += np.uint64(_GOLDEN)
+        _mix_in_place(bases)
+        bases -= np.array(list(at.values()), dtype=np.uint64)
+        x = np.arange(total, dtype=np.uint64)
+        x += np.repeat(bases, lengths)
+        code = _typecode(self.config.vocab_size)
+        ids = _counter_ids(x, self.config.vocab_size).astype(_DTYPES[code])
+        return TrajectoryIds(ids, at, code)
+
     def volatile_token(self, traj_index: int, call_index: int) -> int:
         rng = random.Random(f"{self.config.seed}:volatile:{traj_index}:{call_index}")
         return rng.randrange(1, self.config.vocab_size)
@@ -93,9 +153,11 @@ class WorkloadGenerator:
         first = spec.turns[0]
         return self.shared_ids + self.content(first.content_seed, first.new_tokens)
 
-    def first_prompt_ids(self, spec: TrajectorySpec) -> array:
-        """`first_prompt` as an array (`content_ids`)."""
+    def first_prompt_ids(self, spec: TrajectorySpec, ids: TrajectoryIds | None = None) -> array:
+        """`first_prompt` as an array (`content_ids`; the task's from ``ids`` if given)."""
         first = spec.turns[0]
+        if ids is not None:
+            return self._shared + ids.turn(first)
         return self._shared + self.content_ids(first.content_seed, first.new_tokens)
 
     def trajectory(self, index: int) -> TrajectorySpec:
@@ -155,6 +217,7 @@ class WorkloadGenerator:
 
 
 _MASK64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15
 
 
 def _mix64(x: int) -> int:
@@ -162,6 +225,14 @@ def _mix64(x: int) -> int:
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
     return x ^ (x >> 31)
+
+
+def _key_seed(key: tuple[int, ...]) -> int:
+    """The counter's start for ``key``: each part mixed into the last."""
+    seed = 0
+    for part in key:
+        seed = _mix64(((seed ^ (part & _MASK64)) + _GOLDEN) & _MASK64)
+    return seed
 
 
 def _ids(key: tuple[int, ...], n: int, vocab_size: int) -> list[int]:
@@ -176,30 +247,41 @@ def _typecode(vocab_size: int) -> str:
 def _id_array(key: tuple[int, ...], n: int, vocab_size: int) -> array:
     """`_ids` as an array (int32 when the vocabulary allows), copied from numpy's buffer."""
     code = _typecode(vocab_size)
-    x = _hashed_ids(key, n, vocab_size).astype(np.int32 if code == "i" else np.int64)
     out = array(code)
-    out.frombytes(x.tobytes())
+    out.frombytes(memoryview(_hashed_ids(key, n, vocab_size).astype(_DTYPES[code])).cast("B"))
     return out
 
 
 def _hashed_ids(key: tuple[int, ...], n: int, vocab_size: int) -> np.ndarray:
     """The ids of `_ids`: a counter hashed by splitmix64 (one vectorised pass; a seeded
-    generator costs far more per call than the ids it draws, and a simulation draws a turn's
-    content at every call)."""
-    seed = 0
-    for part in key:
-        seed = _mix64(((seed ^ (part & _MASK64)) + 0x9E3779B97F4A7C15) & _MASK64)
+    generator costs far more per call than the ids it draws)."""
     x = np.arange(n, dtype=np.uint64)
-    x += np.uint64(seed)  # array arithmetic wraps modulo 2**64, as the hash wants
+    x += np.uint64(_key_seed(key))  # array arithmetic wraps modulo 2**64, as the hash wants
+    return _counter_ids(x, vocab_size)
+
+
+def _counter_ids(x: np.ndarray, vocab_size: int) -> np.ndarray:
+    """``1 + _mix64(c) % (vocab_size - 1)`` of every counter ``c`` in ``x`` (uint64, changed
+    in place and returned)."""
+    _mix_in_place(x)
+    # x % m as x - (x // m) * m: the same remainder, but numpy divides uint64 by a scalar
+    # with a multiply (libdivide) and takes the remainder with a hardware divide, ~5x slower.
+    m = np.uint64(vocab_size - 1)
+    q = x // m
+    q *= m
+    x -= q
+    x += _ONE
+    return x
+
+
+def _mix_in_place(x: np.ndarray) -> None:
+    """`_mix64` of every item of ``x`` (uint64; arithmetic wraps modulo 2**64)."""
     shifted = np.empty_like(x)  # one scratch array for the three shifts
     for shift, mul in _MIX_STEPS:
         np.right_shift(x, shift, out=shifted)
         x ^= shifted
         if mul is not None:
             x *= mul
-    x %= np.uint64(vocab_size - 1)
-    x += _ONE
-    return x
 
 
 # `_mix64` as array operations: x ^= x >> 30; x *= M1; x ^= x >> 27; x *= M2; x ^= x >> 31.
@@ -209,3 +291,4 @@ _MIX_STEPS = (
     (np.uint64(31), None),
 )
 _ONE = np.uint64(1)
+_DTYPES = {"i": np.int32, "q": np.int64}
