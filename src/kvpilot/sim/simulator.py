@@ -35,10 +35,8 @@ import time
 from array import array
 from bisect import bisect_left
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
-
-import numpy as np
 
 from kvpilot.engine.decode_run import advance_decode_run
 from kvpilot.engine.engine import Engine
@@ -47,23 +45,9 @@ from kvpilot.engine.sampling import SamplingParams
 from kvpilot.engine.session import Session
 from kvpilot.errors import InvalidRequest
 from kvpilot.sim.collector import fewer_collections
+from kvpilot.sim.telemetry import Samples, Telemetry, TurnLog
 
 OnDone = Callable[[RequestOutput], None]
-
-
-def p50_p99(values: np.ndarray) -> tuple[float, float]:
-    """``np.percentile(values, [50, 99])`` to the last bit (its default linear method), at a
-    fraction of its cost on the small windows the simulator samples every second."""
-    a = np.sort(values)
-    last = len(a) - 1
-    out = []
-    for q in (0.5, 0.99):
-        at = last * q
-        lo = math.floor(at)
-        x, y = float(a[lo]), float(a[min(lo + 1, last)])
-        t, d = at - lo, y - x
-        out.append(y - d * (1 - t) if t >= 0.5 else x + d * t)
-    return out[0], out[1]
 
 
 class Driver(Protocol):
@@ -72,46 +56,6 @@ class Driver(Protocol):
     def start(self, sim: Simulator) -> None: ...
 
     def counters(self) -> dict[str, int]: ...
-
-
-@dataclass(slots=True)
-class Samples:
-    """Telemetry sampled over time (one row per sample)."""
-
-    time_s: list[float] = field(default_factory=list)
-    kv_usage: list[float] = field(default_factory=list)  # U_KV: blocks allocated / total
-    kv_held: list[float] = field(default_factory=list)  # not counting evictable cached blocks
-    running: list[int] = field(default_factory=list)
-    waiting: list[int] = field(default_factory=list)
-    resident: list[int] = field(default_factory=list)  # trajectories holding device KV
-    itl_p50_s: list[float] = field(default_factory=list)  # over tokens since the last sample
-    itl_p99_s: list[float] = field(default_factory=list)
-    ttft_p50_s: list[float] = field(default_factory=list)  # over turns finished since then
-    ttft_p99_s: list[float] = field(default_factory=list)
-
-    def as_arrays(self) -> dict[str, np.ndarray]:
-        return {name: np.asarray(getattr(self, name), dtype=float) for name in self.__slots__}
-
-
-@dataclass(slots=True)
-class TurnLog:
-    """Per finished request: intended arrival, first token, finish, prompt/cached/output tokens."""
-
-    arrival_s: array = field(default_factory=lambda: array("d"))
-    first_token_s: array = field(default_factory=lambda: array("d"))
-    finish_s: array = field(default_factory=lambda: array("d"))
-    prompt_tokens: array = field(default_factory=lambda: array("q"))
-    cached_tokens: array = field(default_factory=lambda: array("q"))
-    output_tokens: array = field(default_factory=lambda: array("q"))
-
-    def __len__(self) -> int:
-        return len(self.finish_s)
-
-    def ttft_s(self) -> np.ndarray:
-        first = np.asarray(self.first_token_s)
-        arrival = np.asarray(self.arrival_s)
-        ok = ~np.isnan(first)
-        return first[ok] - arrival[ok]
 
 
 @dataclass(slots=True)
@@ -147,7 +91,7 @@ class Simulator:
         self.t0 = self.clock.now()
         self.turns = TurnLog()
         self.samples = Samples()
-        self.itl_s = array("f")
+        self._telemetry = Telemetry(self.samples, self.turns)
         self.rejected = 0
         self.stalled = False
         self.blocked_s = 0.0
@@ -155,7 +99,6 @@ class Simulator:
         self._events: list[tuple[float, int, Callable[[], None]]] = []
         self._seq = itertools.count()
         self._pending: dict[str, _Pending] = {}
-        self._ttft_mark = 0
         self._event_time: float | None = None
         self._next_sample = 0.0  # while a decode run takes samples (`plan_looks`, `look`)
 
@@ -206,6 +149,12 @@ class Simulator:
             arrival_s = self.now if self._event_time is None else self._event_time
         self._pending[rid] = _Pending(on_done, arrival_s)
         return rid
+
+    @property
+    def itl_s(self) -> array:
+        """Every inter-token latency so far (float32), in the engine's order (complete when
+        `run` returns)."""
+        return self._telemetry.itl_s
 
     # -- the loop ------------------------------------------------------------------------
 
@@ -278,6 +227,7 @@ class Simulator:
                 self.blocked_s += max(0.0, target - now)
             self._wait_until(target)
         self._sample(min(self.now, end))
+        self._telemetry.flush()
         self.wall_s = time.perf_counter() - wall0
 
     # -- samples inside decode runs (`kvpilot.engine.decode_run.RunLookout`) --------------
@@ -355,27 +305,6 @@ class Simulator:
         s.running.append(gauges.running)
         s.waiting.append(gauges.waiting)
         s.resident.append(gauges.resident_trajectories)
-        # The engine keeps every ITL in a list; move them here (4 bytes each) to bound memory.
-        # numpy converts the list (array.extend takes it item by item, several times slower)
-        # and rounds to float32 as array("f") would (to nearest).
-        new_itl = engine.stats.itl_s
-        window = np.array(new_itl, dtype=float)
-        self.itl_s.frombytes(window.astype(np.float32).tobytes())
-        new_itl.clear()
-        log = self.turns
-        mark = self._ttft_mark
-        first = np.asarray(log.first_token_s[mark:])
-        ttft = first - np.asarray(log.arrival_s[mark:])
-        ttft = ttft[~np.isnan(first)]
-        self._ttft_mark = len(log)
-        for values, p50, p99 in (
-            (window, s.itl_p50_s, s.itl_p99_s),
-            (ttft, s.ttft_p50_s, s.ttft_p99_s),
-        ):
-            if len(values):
-                a, b = p50_p99(values)
-                p50.append(a)
-                p99.append(b)
-            else:
-                p50.append(float("nan"))
-                p99.append(float("nan"))
+        # The engine keeps every ITL in a list: moved out here, its percentiles reduced in
+        # batches with the TTFTs' (`Telemetry`).
+        self._telemetry.take(engine.stats.itl_s)
