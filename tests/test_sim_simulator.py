@@ -11,6 +11,7 @@ import pytest
 from kvpilot.engine.clock import VirtualClock
 from kvpilot.engine.config import EngineConfig
 from kvpilot.engine.engine import Engine
+from kvpilot.engine.sampling import SamplingParams
 from kvpilot.errors import ConfigError
 from kvpilot.sim.build import SimSetup, build_engine, kv_pool_blocks, run_simulation
 from kvpilot.sim.drivers import AgentDriver, ReplayDriver
@@ -421,6 +422,18 @@ def test_without_a_host_tier_nothing_moves() -> None:
         setup(duration_s=100.0, host_kv_bytes_per_device=0), wl, policy="offload-host"
     )
     assert result.bytes_moved == 0 and result.extra["host_blocks"] == 0
+
+
+def test_each_request_gets_sampling_params_of_its_own_length() -> None:
+    """`submit` reuses one frozen `SamplingParams` per output length: each request still
+    asks for its own length (at least one token) and ignores EOS."""
+    s = setup(kv_blocks=300, duration_s=10.0)
+    engine, _ = build_engine(s, 32000)
+    sim = Simulator(engine, duration_s=s.duration_s)
+    lengths = (5, 7, 5, 0, 7)
+    rids = [sim.submit([1, 2, 3], n, lambda _out: None) for n in lengths]
+    params = [engine.requests[rid].params for rid in rids if rid is not None]
+    assert params == [SamplingParams(max(1, n), ignore_eos=True) for n in lengths]
 
 
 def test_samples_take_the_gauges_a_snapshot_shows() -> None:

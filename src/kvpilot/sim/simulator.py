@@ -99,6 +99,7 @@ class Simulator:
         self._events: list[tuple[float, int, Callable[[], None]]] = []
         self._seq = itertools.count()
         self._pending: dict[str, _Pending] = {}
+        self._params: dict[int, SamplingParams] = {}  # by max_tokens (`submit`)
         self._event_time: float | None = None
         self._next_sample = 0.0  # while a decode run takes samples (`plan_looks`, `look`)
 
@@ -134,7 +135,10 @@ class Simulator:
         ``arrival_s`` is when it was meant to arrive, for TTFT (default: the time of the
         event being fired, which may be a step earlier than now).
         """
-        params = SamplingParams(max_tokens=max(1, max_tokens), ignore_eos=True)
+        max_tokens = max(1, max_tokens)
+        params = self._params.get(max_tokens)
+        if params is None:  # frozen, so one per length serves every request of that length
+            params = self._params[max_tokens] = SamplingParams(max_tokens, ignore_eos=True)
         try:
             if session is not None and pause is not None:
                 rid = session.submit(prompt, params, expected_tool_wait_s=pause[0], tool=pause[1])
@@ -167,13 +171,12 @@ class Simulator:
         offload = engine.offload
         clock_now, t0 = self.clock.now, self.t0
         has_work = engine.has_unfinished
-
-        def step(until: float | None) -> list[RequestOutput]:
-            return engine.step(snapshots=False, idle_until=until)
-
+        step = engine.step
+        decode_runs, idle_skips = self.decode_runs, self.idle_skips
         end = self.duration_s
         events = self._events
         next_sample = 0.0
+        finished: list[RequestOutput] = []  # what a decode run finishes (emptied after each)
         wall0 = time.perf_counter()
         driver.start(self)
         while True:  # hot path
@@ -196,18 +199,18 @@ class Simulator:
                 run = timer is not None and timer - t0 <= now
             if run:
                 limit = min(events[0][0], end) if events else end
-                if self.decode_runs:
+                if decode_runs:
                     # Samples fall inside runs: `plan_looks` and `look` take them there.
                     self._next_sample = next_sample
-                    finished: list[RequestOutput] = []
                     if advance_decode_run(engine, t0 + limit, finished=finished, lookout=self):
                         next_sample = self._next_sample
                         for out in finished:
                             self._complete(out)
+                        finished.clear()
                         continue
                 limit = min(limit, next_sample)
                 steps = engine.stats.steps
-                outputs = step(t0 + limit if self.idle_skips else None)
+                outputs = step(snapshots=False, idle_until=t0 + limit if idle_skips else None)
                 for out in outputs:
                     if out.finished:
                         self._complete(out)
