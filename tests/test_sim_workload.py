@@ -243,3 +243,23 @@ def test_trajectory_ids_hash_every_turn_as_content_does(seed: int, index: int, v
         return len(turns)
 
     assert check(spec.turns) >= 1
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    weights=st.lists(st.floats(0, 10) | st.integers(0, 5), min_size=1, max_size=6).filter(
+        lambda w: sum(w) > 0
+    ),
+    seed=st.integers(0, 2**32),
+)
+def test_tool_draws_are_random_choices_draws(weights: list[float], seed: int) -> None:
+    """The generator's tool draw (cumulative weights summed once) is `Random.choices`'s,
+    draw for draw, leaving the generator in the same state."""
+    config = WorkloadConfig.from_dict(
+        {"tools": {f"t{i}": {"weight": w, "wait": 1} for i, w in enumerate(weights)}}
+    )
+    g = WorkloadGenerator(config)
+    ours, theirs = random.Random(seed), random.Random(seed)
+    for _ in range(30):
+        assert g._tool(ours) == theirs.choices(config.tools, weights=weights)[0]
+    assert ours.random() == theirs.random()

@@ -8,15 +8,17 @@ function of its seed.
 
 from __future__ import annotations
 
+import itertools
 import random
 from array import array
+from bisect import bisect_right
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
 
 from kvpilot.errors import ConfigError
-from kvpilot.sim.workload import WorkloadConfig
+from kvpilot.sim.workload import ToolSpec, WorkloadConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,7 +88,10 @@ class WorkloadGenerator:
 
     def __init__(self, config: WorkloadConfig) -> None:
         self.config = config
-        self._weights = [t.weight for t in config.tools]
+        # `random.Random.choices(tools, weights)` with its cumulative weights summed once:
+        # it draws ``tools[bisect(cum, random() * total, 0, n - 1)]`` (`_tool`).
+        self._tool_cum = list(itertools.accumulate(t.weight for t in config.tools))
+        self._tool_total = self._tool_cum[-1] + 0.0
         hi = config.vocab_size
         self.system_ids = _ids((config.seed, 1), config.system_tokens, hi)
         self.tool_ids = _ids((config.seed, 2), config.tool_tokens, hi)
@@ -173,6 +178,13 @@ class WorkloadGenerator:
             )
         return TrajectorySpec(index, tuple(turns))
 
+    def _tool(self, rng: random.Random) -> ToolSpec:
+        """``rng.choices(tools, weights)[0]``: the same draw, the same tool."""
+        cum = self._tool_cum
+        return self.config.tools[
+            bisect_right(cum, rng.random() * self._tool_total, 0, len(cum) - 1)
+        ]
+
     def _turns(
         self, rng: random.Random, n: int, budget: int, depth: int, first: bool
     ) -> list[TurnSpec]:
@@ -185,7 +197,7 @@ class WorkloadGenerator:
             if starting:
                 wait, tool = 0.0, ""
             else:
-                spec = rng.choices(cfg.tools, weights=self._weights)[0]
+                spec = self._tool(rng)
                 wait, tool = max(0.0, spec.wait_s.sample(rng)), spec.name
             seed = rng.getrandbits(63)
             fork = None
