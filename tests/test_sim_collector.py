@@ -50,3 +50,24 @@ def test_cycles_made_during_a_run_are_still_collected() -> None:
 def test_the_threshold_must_be_positive() -> None:
     with pytest.raises(ValueError), fewer_collections(0):
         pass
+
+
+def test_leaving_a_run_starts_no_collection_over_what_it_kept() -> None:
+    """What the run made and kept goes to the oldest generation on exit: the restored young
+    threshold does not set off a collection walking all of it at the next allocation."""
+    started: list[int] = []
+
+    def count(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            started.append(info["generation"])
+
+    with fewer_collections(50_000):
+        kept = [[i] for i in range(20_000)]  # young containers, far past the default threshold
+        gc.callbacks.append(count)
+    try:
+        assert gc.get_count()[0] < 100
+        more = [[i] for i in range(500)]
+        assert started == [] and len(kept) + len(more) == 20_500
+        assert gc.is_tracked(kept[0]) and gc.get_freeze_count() == 0
+    finally:
+        gc.callbacks.remove(count)
