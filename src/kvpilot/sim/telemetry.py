@@ -137,7 +137,7 @@ class Telemetry:
         values = np.frombuffer(struct.pack(f"{len(itls)}d", *itls))
         itls.clear()
         # Rounded to float32 to nearest, as array("f") would, 4 bytes each to bound memory.
-        self.itl_s.frombytes(memoryview(values.astype(np.float32)).cast("B"))
+        self.itl_s.frombytes(values.astype(np.float32).data.cast("B"))
         stops = np.array(ends, dtype=np.int64)
         ends.clear()
         self._percentiles(values, stops, self.samples.itl_p50_s, self.samples.itl_p99_s)

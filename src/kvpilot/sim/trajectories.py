@@ -61,7 +61,7 @@ class TrajectoryIds:
     __slots__ = ("_at", "_bytes", "_itemsize", "_typecode")
 
     def __init__(self, ids: np.ndarray, at: dict[tuple[int, int], int], typecode: str) -> None:
-        self._bytes = memoryview(ids).cast("B")
+        self._bytes = ids.data.cast("B")
         self._itemsize = ids.itemsize
         self._at = at  # (content seed, tokens) -> where the turn's ids start
         self._typecode = typecode
@@ -260,7 +260,7 @@ def _id_array(key: tuple[int, ...], n: int, vocab_size: int) -> array:
     """`_ids` as an array (int32 when the vocabulary allows), copied from numpy's buffer."""
     code = _typecode(vocab_size)
     out = array(code)
-    out.frombytes(memoryview(_hashed_ids(key, n, vocab_size).astype(_DTYPES[code])).cast("B"))
+    out.frombytes(_hashed_ids(key, n, vocab_size).astype(_DTYPES[code]).data.cast("B"))
     return out
 
 
