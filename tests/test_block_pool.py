@@ -163,3 +163,56 @@ def test_decref_many_rejects_a_free_or_out_of_range_block_without_side_effect() 
         assert [pool.refcount(b) for b in blocks] == [2] * 4 + [1] * 6
         assert pool.num_free == 6
     pool.check_invariants()
+
+
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["alloc", "incref_many", "decref_many"]),
+            st.lists(st.integers(0, 11), max_size=6, unique=True),
+            st.sampled_from([None, "free", -1, 12]),
+        ),
+        max_size=40,
+    )
+)
+def test_many_block_calls_agree_with_a_refcount_model(
+    ops: list[tuple[str, list[int], int | str | None]],
+) -> None:
+    """incref_many / decref_many (one pass, undone on a bad id) against per-block counts;
+    a free or out-of-range id anywhere in the list leaves every count and the free list."""
+    pool = BlockPool(12)
+    model: dict[int, int] = {}
+    for op, picks, bad in ops:
+        if op == "alloc":
+            for b in pool.allocate(min(len(picks), pool.num_free)):
+                model[b] = 1
+            continue
+        held = sorted(model)
+        blocks = [held[i % len(held)] for i in picks] if held else []
+        blocks = list(dict.fromkeys(blocks))  # distinct ids
+        if bad is not None:
+            bad_id = next((b for b in range(12) if b not in model), None) if bad == "free" else bad
+            if isinstance(bad_id, int):
+                before = dict(model), list(pool._free)
+                at = picks[0] % (len(blocks) + 1) if picks else 0
+                with pytest.raises(ValueError):
+                    getattr(pool, op)([*blocks[:at], bad_id, *blocks[at:]])
+                assert (dict(model), list(pool._free)) == before
+                assert all(pool.refcount(b) == c for b, c in model.items())
+                pool.check_invariants()
+                continue
+        if op == "incref_many":
+            pool.incref_many(blocks)
+            for b in blocks:
+                model[b] += 1
+        else:
+            freed = pool.decref_many(blocks)
+            for b in blocks:
+                model[b] -= 1
+            gone = [b for b in blocks if model[b] == 0]
+            assert freed == len(gone)
+            assert pool._free[len(pool._free) - len(gone) :] == gone  # freed in list order
+            for b in gone:
+                del model[b]
+        pool.check_invariants()
+        assert all(pool.refcount(b) == c for b, c in model.items())

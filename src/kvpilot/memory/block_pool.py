@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from typing import NoReturn
 
 import numpy as np
 
@@ -84,13 +85,13 @@ class BlockPool:
 
     def incref_many(self, blocks: Sequence[int]) -> None:
         """incref each of ``blocks`` (distinct ids, all in use); nothing changes if one is not."""
-        refs, n = self._refcounts, self.num_blocks
-        for block in blocks:  # hot path: every one in use (`_in_use` names the first that is not)
-            if not 0 <= block < n or refs[block] <= 0:
-                self._in_use(block)
-        for block in blocks:
-            refs[block] += 1
-
+        refs = self._refcounts
+        self._check_range(blocks)
+        for block in blocks:  # one pass (the hot path: every block in use)
+            count = refs[block]
+            if count <= 0:
+                self._undo(blocks, block, -1)
+            refs[block] = count + 1
     def decref(self, block: int) -> bool:
         count = self._in_use(block) - 1
         self._refcounts[block] = count
@@ -104,21 +105,37 @@ class BlockPool:
     def decref_many(self, blocks: Sequence[int]) -> int:
         """decref each of ``blocks`` (distinct ids, all in use; nothing changes if one is not);
         returns how many became free."""
-        if len(blocks) == 1:  # an eviction's one block
-            return 1 if self.decref(blocks[0]) else 0
-        refs, n = self._refcounts, self.num_blocks
-        for block in blocks:  # hot path: every one in use (`_in_use` names the first that is not)
-            if not 0 <= block < n or refs[block] <= 0:
-                self._in_use(block)
-        freed = []
-        for block in blocks:
-            refs[block] -= 1
-            if not refs[block]:
+        refs = self._refcounts
+        self._check_range(blocks)
+        freed: list[int] = []
+        for block in blocks:  # one pass (the hot path: every block in use)
+            count = refs[block]
+            if count <= 1:
+                if count <= 0:
+                    self._undo(blocks, block, 1)
                 freed.append(block)
-        self._free.extend(freed)
-        if freed and self.on_free is not None:
-            self.on_free(freed)
+            refs[block] = count - 1
+        if freed:
+            self._free.extend(freed)
+            if self.on_free is not None:
+                self.on_free(freed)
         return len(freed)
+
+    def _check_range(self, blocks: Sequence[int]) -> None:
+        """Raise, changing nothing, if a block id is out of range (two C passes over ids)."""
+        if blocks and (min(blocks) < 0 or max(blocks) >= self.num_blocks):
+            for block in blocks:
+                if not 0 <= block < self.num_blocks:
+                    self._in_use(block)
+
+    def _undo(self, blocks: Sequence[int], bad: int, delta: int) -> NoReturn:
+        """A many-block change met ``bad``, a free block: add ``delta`` back to every block
+        before it (ids are distinct, so ``index`` finds where it stopped), then raise."""
+        refs = self._refcounts
+        for block in blocks[: blocks.index(bad)]:
+            refs[block] += delta
+        self._in_use(bad)
+        raise AssertionError("unreachable: _in_use raises for a free block")
 
     def free(self, blocks: Iterable[int]) -> None:
         for block in blocks:
