@@ -75,7 +75,13 @@ class EvictionQueues:
         bit = TIER_BIT[tier]
         while heap:  # hot path
             key, _, node = heap[0]
-            if not is_candidate(node, tier):
+            if not (  # is_candidate, inline but for a node with children (the hot path)
+                node._alive
+                and not node.lock_count
+                and tier in node.blocks
+                and node.depth_tokens
+                and (not node.children or is_candidate(node, tier))
+            ):
                 heapq.heappop(heap)
                 node._queued &= ~bit
             elif node.last_access != key:
@@ -88,15 +94,13 @@ class EvictionQueues:
         """The candidate `peek` returned stays one: queue it anew (behind others of its access
         time), exactly as `pop` then `push` would, with one sift at most."""
         heap = self._heaps[tier]
-        key, _, node = heap[0]
-        entry = (key, next(self._seq), node)
+        key = heap[0][0]
         size = len(heap)
-        # Still below both children (their keys are larger, whatever the order numbers): the
-        # entry stays on top, and only the set of entries decides the order pops come in.
-        if (size < 2 or heap[1][0] > key) and (size < 3 or heap[2][0] > key):
-            heap[0] = entry
-        else:
-            heapq.heapreplace(heap, entry)
+        # While both children's keys are larger, so is every other entry's: no comparison
+        # ever reaches the top's order number (later entries get larger ones anyway), so
+        # leaving the entry as it is pops in the same order as a fresh one would.
+        if (size > 1 and heap[1][0] <= key) or (size > 2 and heap[2][0] <= key):
+            heapq.heapreplace(heap, (key, next(self._seq), heap[0][2]))
         if size > 2 * live_nodes + 1024:
             self._compact(tier)
 
