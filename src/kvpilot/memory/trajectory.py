@@ -85,19 +85,15 @@ class Trajectory:
         self.window: WindowTable | None = None
         if manager.window is not None:
             self.window = WindowTable(manager.window, root_hash(salt, manager.model_digest))
+        # Kept in step with locked_node and block_table (read on every step; the locked node
+        # changes depth only through this trajectory's own commits, see `_recount`).
+        self.locked_tokens = 0
+        self.num_private_blocks = 0
         self.append_tokens(tokens)
         self.locked_node: RadixNode = self._radix.root(salt)
         self._radix.lock(self.locked_node)
 
     # ---- state ---------------------------------------------------------------------------
-
-    @property
-    def locked_tokens(self) -> int:
-        return self.locked_node.depth_tokens
-
-    @property
-    def num_private_blocks(self) -> int:
-        return len(self.block_table) - self.locked_node.depth_tokens // self._bs
 
     @property
     def hit_rate(self) -> float:
@@ -125,11 +121,22 @@ class Trajectory:
 
     def _lock_to(self, node: RadixNode) -> None:
         old = self.locked_node
-        if node is old:
-            return
-        self._radix.lock(node)
-        self._radix.unlock(old)
-        self.locked_node = node
+        if node is not old:
+            self._radix.lock(node)
+            self._radix.unlock(old)
+            self.locked_node = node
+        self._recount()
+
+    def _recount(self) -> None:
+        """Set ``locked_tokens`` and ``num_private_blocks`` from the locked node and the table.
+
+        Every change to either goes through this trajectory: the locked node's depth moves
+        only with its own `commit` (`extend_leaf` needs the node's only lock; splits keep
+        the deeper node's identity and depth; a locked node is never trimmed), so the hot
+        paths (`allocate`, `commit`) update both by what they add, the others call this.
+        """
+        self.locked_tokens = self.locked_node.depth_tokens
+        self.num_private_blocks = len(self.block_table) - self.locked_tokens // self._bs
 
     # ---- turns ---------------------------------------------------------------------------
 
@@ -176,7 +183,7 @@ class Trajectory:
             if k * self._bs < match.num_tokens:
                 match = self._radix.match(self._buf[: k * self._bs], self.salt, record=False)
         if match.num_tokens > computed:
-            shared = self.locked_node.depth_tokens // self._bs
+            shared = self.locked_tokens // self._bs
             new_blocks = match.blocks(Tier.DEVICE)
             self._lock_to(match.node)
             table = self.block_table
@@ -190,6 +197,7 @@ class Trajectory:
             extra = new_blocks[overlap:]
             pool.incref_many(extra)
             table.extend(extra)
+            self._recount()
             if window is not None:
                 window.adopt(match.num_tokens // self._bs, computed, self._buf)
             self.num_computed_tokens = match.num_tokens
@@ -223,6 +231,7 @@ class Trajectory:
             if short > 0:
                 self._radix.evict(short)
             self.block_table += pool.allocate(need)
+            self.num_private_blocks += need
             return
         fresh = window.pool.allocate(need)  # a hybrid model's window blocks first
         try:
@@ -232,6 +241,7 @@ class Trajectory:
         except OutOfBlocks:
             window.pool.release(fresh)
             raise
+        self.num_private_blocks += need
         window.grow(fresh)
 
     def mark_computed(self, n: int) -> None:
@@ -259,7 +269,7 @@ class Trajectory:
             self._require_open()
         bs = self._bs
         n_full = self.num_computed_tokens // bs
-        shared = self.locked_node.depth_tokens // bs
+        shared = self.locked_tokens // bs
         if n_full <= shared:
             return 0
         if len(self._buf) != len(self.tokens):
@@ -267,6 +277,8 @@ class Trajectory:
         table = self.block_table
         tokens = self._buf[shared * bs : n_full * bs]
         if self._radix.extend_leaf(self.locked_node, tokens, table[shared:n_full]):
+            self.locked_tokens = n_full * bs  # the locked leaf now ends at n_full blocks
+            self.num_private_blocks -= n_full - shared
             return n_full - shared
         result = self._radix.insert_below(self.locked_node, tokens, table[shared:n_full])
         pool = self._pool
@@ -309,7 +321,7 @@ class Trajectory:
         shared = self.block_table[:n_full]
         pool.incref_many(shared)
         child.block_table = shared if dst is None else [*shared, dst]
-        child._lock_to(self.locked_node)
+        child._lock_to(self.locked_node)  # and counts its blocks
         child.num_computed_tokens = self.num_computed_tokens
         window_copy = None
         if window is not None:
@@ -366,6 +378,7 @@ class Trajectory:
                 window.truncate(keep)
                 window.adopt(keep, self.num_computed_tokens, self._buf)
             self.num_computed_tokens = keep * bs
+            self._recount()
         del self.tokens[num_tokens:]
         self._buf = self._buf[:num_tokens]
 
@@ -403,6 +416,12 @@ class Trajectory:
         require(computed <= len(self.block_table) * bs, f"trajectory {tid}: KV not covered")
         require(node.depth_tokens <= computed, f"trajectory {tid}: locked path beyond computed")
         shared = node.depth_tokens // bs
+        require(
+            self.locked_tokens == node.depth_tokens
+            and self.num_private_blocks == len(self.block_table) - shared,
+            f"trajectory {tid}: locked_tokens {self.locked_tokens} or num_private_blocks "
+            f"{self.num_private_blocks} drifted from its locked node and table",
+        )
         require(
             self.block_table[:shared] == node.path_blocks(Tier.DEVICE),
             f"trajectory {tid}: shared prefix differs from its locked path's blocks",
