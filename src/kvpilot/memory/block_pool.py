@@ -86,12 +86,16 @@ class BlockPool:
     def incref_many(self, blocks: Sequence[int]) -> None:
         """incref each of ``blocks`` (distinct ids, all in use); nothing changes if one is not."""
         refs = self._refcounts
-        self._check_range(blocks)
-        for block in blocks:  # one pass (the hot path: every block in use)
-            count = refs[block]
-            if count <= 0:
-                self._undo(blocks, block, -1)
-            refs[block] = count + 1
+        block = -1
+        try:
+            for block in blocks:  # one pass (the hot path: every block in use)
+                count = refs[block]
+                if count <= 0 or block < 0:  # free, or a negative id indexing from the end
+                    self._undo(blocks, block, -1)
+                refs[block] = count + 1
+        except IndexError:  # an id past the end
+            self._undo(blocks, block, -1)
+
     def decref(self, block: int) -> bool:
         count = self._in_use(block) - 1
         self._refcounts[block] = count
@@ -106,36 +110,32 @@ class BlockPool:
         """decref each of ``blocks`` (distinct ids, all in use; nothing changes if one is not);
         returns how many became free."""
         refs = self._refcounts
-        self._check_range(blocks)
         freed: list[int] = []
-        for block in blocks:  # one pass (the hot path: every block in use)
-            count = refs[block]
-            if count <= 1:
-                if count <= 0:
-                    self._undo(blocks, block, 1)
-                freed.append(block)
-            refs[block] = count - 1
+        block = -1
+        try:
+            for block in blocks:  # one pass (the hot path: every block in use)
+                count = refs[block]
+                if count <= 1 or block < 0:
+                    if count <= 0 or block < 0:  # free, or a negative id indexing from the end
+                        self._undo(blocks, block, 1)
+                    freed.append(block)
+                refs[block] = count - 1
+        except IndexError:  # an id past the end
+            self._undo(blocks, block, 1)
         if freed:
             self._free.extend(freed)
             if self.on_free is not None:
                 self.on_free(freed)
         return len(freed)
 
-    def _check_range(self, blocks: Sequence[int]) -> None:
-        """Raise, changing nothing, if a block id is out of range (two C passes over ids)."""
-        if blocks and (min(blocks) < 0 or max(blocks) >= self.num_blocks):
-            for block in blocks:
-                if not 0 <= block < self.num_blocks:
-                    self._in_use(block)
-
     def _undo(self, blocks: Sequence[int], bad: int, delta: int) -> NoReturn:
-        """A many-block change met ``bad``, a free block: add ``delta`` back to every block
-        before it (ids are distinct, so ``index`` finds where it stopped), then raise."""
+        """A many-block change met ``bad`` (free or out of range): add ``delta`` back to every
+        block before it (ids are distinct, so ``index`` finds where it stopped), then raise."""
         refs = self._refcounts
         for block in blocks[: blocks.index(bad)]:
             refs[block] += delta
         self._in_use(bad)
-        raise AssertionError("unreachable: _in_use raises for a free block")
+        raise AssertionError(f"unreachable: _in_use raises for block {bad}")
 
     def free(self, blocks: Iterable[int]) -> None:
         for block in blocks:

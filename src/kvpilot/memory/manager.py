@@ -18,6 +18,8 @@ from kvpilot.memory.tiers import Tier
 from kvpilot.memory.trajectory import ForkResult, Trajectory
 from kvpilot.memory.window import NULL_BLOCK, WindowPool
 
+DEVICE = Tier.DEVICE  # a module constant: an enum member's class attribute lookup is slow
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class KVConfig:
@@ -111,7 +113,8 @@ class KVManager:
 
     def free_blocks(self) -> int:
         """Device blocks admission can count on: free now plus evictable from the cache."""
-        return self.device.num_free + self.radix.evictable_blocks(Tier.DEVICE)
+        # num_free and evictable_blocks(DEVICE) read directly: asked on every step
+        return len(self.device._free) + self.radix._evictable[DEVICE]
 
     def ensure_free(self, n: int) -> bool:
         short = n - self.device.num_free

@@ -310,26 +310,28 @@ class RadixCache(RadixEviction):
         one-block nodes that would make every later match walk them all.
         """
         bs = self.block_size
-        if len(tokens) != len(blocks) * bs:
+        n = len(blocks)
+        if len(tokens) != n * bs:
             raise ValueError(
                 f"extend_leaf needs exactly len(blocks) * block_size tokens: got {len(tokens)} "
-                f"tokens for {len(blocks)} blocks of {bs}"
+                f"tokens for {n} blocks of {bs}"
             )
         device = node.blocks.get(DEVICE)
         if (
-            node.depth_tokens == 0  # a root
-            or not node._alive
-            or node.children
+            device is None
             or node.lock_count != 1
-            or device is None
+            or node.children
             or len(node.blocks) != 1
+            or not node._alive
+            or node.depth_tokens == 0  # a root
         ):
             return False
-        if not blocks:
+        if not n:
             return True
-        arr = as_token_array(tokens)
-        own = list(blocks)
-        self.pools[DEVICE].incref_many(own)
+        # A commit passes an int32 array: take it as it is, without a call (the hot path).
+        ok = isinstance(tokens, array) and tokens.typecode == "i"
+        arr = tokens if ok else as_token_array(tokens)
+        self.pools[DEVICE].incref_many(blocks)
         if self.observer is not None:
             node.hashes  # noqa: B018 (an observed tree keeps every node's hashes)
         if node._hashes is not None:
@@ -338,11 +340,11 @@ class RadixCache(RadixEviction):
             if self.observer is not None:
                 self.observer.committed(new)
         node.tokens.extend(arr)
-        device.extend(own)
-        node.depth_tokens += len(arr)
+        device.extend(blocks)
+        node.depth_tokens += n * bs
         node.last_access = self._clock()
-        self._cached[DEVICE] += len(own)
-        self.stats.inserted_blocks += len(own)
+        self._cached[DEVICE] += n
+        self.stats.inserted_blocks += n
         return True
 
     def _split(self, node: RadixNode, k: int) -> RadixNode:

@@ -227,7 +227,7 @@ class Trajectory:
         pool = self._pool
         window = self.window
         if window is None:
-            short = need - pool.num_free
+            short = need - len(pool._free)  # pool.num_free, without a property call
             if short > 0:
                 self._radix.evict(short)
             self.block_table += pool.allocate(need)
@@ -248,21 +248,25 @@ class Trajectory:
         if self.closed:
             self._require_open()
         done = self.num_computed_tokens + n
-        if n < 0 or done > len(self.tokens):
-            raise ValueError(
-                f"trajectory {self.traj_id}: cannot mark {n} tokens computed "
-                f"({self.num_computed_tokens} computed of {len(self.tokens)} tokens)"
-            )
-        if done > len(self.block_table) * self._bs:
-            raise ValueError(
-                f"trajectory {self.traj_id}: {done} computed tokens need "
-                f"{-(-done // self._bs)} blocks, table has {len(self.block_table)}; allocate first"
-            )
+        if n < 0 or done > len(self.tokens) or done > len(self.block_table) * self._bs:
+            self._reject_computed(n)
         self.num_computed_tokens = done
         if self.window is not None:
             if len(self._buf) != len(self.tokens):
                 self._sync()
             self.window.slide(done, self._buf)
+
+    def _reject_computed(self, n: int) -> None:
+        done = self.num_computed_tokens + n
+        if n < 0 or done > len(self.tokens):
+            raise ValueError(
+                f"trajectory {self.traj_id}: cannot mark {n} tokens computed "
+                f"({self.num_computed_tokens} computed of {len(self.tokens)} tokens)"
+            )
+        raise ValueError(
+            f"trajectory {self.traj_id}: {done} computed tokens need "
+            f"{-(-done // self._bs)} blocks, table has {len(self.block_table)}; allocate first"
+        )
 
     def commit(self) -> int:
         if self.closed:
