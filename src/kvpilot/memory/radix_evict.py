@@ -171,14 +171,29 @@ class RadixEviction(ABC):
         """
         freed = 0
         queues = self._queues
+        bs = self.block_size
         while freed < num_blocks:
             node = queues.peek(tier)
             if node is None:
                 break
             want = num_blocks - freed
-            size = len(node.blocks[tier])
+            ids = node.blocks[tier]
+            size = len(ids)
             if size > want and not node.children and len(node.blocks) == 1:
-                freed += self._trim_tail(node, tier, want)
+                # The hot path: trim the last ``want`` blocks of a childless single-copy leaf
+                # in place (no edge copy); it stays a candidate at the top of the queue.
+                if self.observer is not None:
+                    self.observer.evicted(tier, node.hashes[-want * HASH_BYTES :])
+                tail = ids[-want:]
+                del ids[-want:]
+                del node.tokens[-want * bs :]
+                if node._hashes is not None:
+                    node._hashes = node._hashes[: -want * HASH_BYTES]
+                node.depth_tokens -= want * bs
+                self._cached[tier] -= want
+                self._evictable[tier] -= want
+                queues.requeue_top(tier, self._num_nodes)
+                freed += self.pools[tier].decref_many(tail)
                 continue
             queues.pop(tier)
             if size > want:
@@ -187,24 +202,6 @@ class RadixEviction(ABC):
             freed += self._after_release(node, tier)
         self.stats.evicted_blocks += freed
         return freed
-
-    def _trim_tail(self, node: RadixNode, tier: Tier, n: int) -> int:
-        """Evict the last ``n`` blocks of a childless single-copy leaf in place (no edge copy);
-        ``node`` is the candidate at the top of ``tier``'s queue (`EvictionQueues.peek`)."""
-        bs = self.block_size
-        ids = node.blocks[tier]
-        if self.observer is not None:
-            self.observer.evicted(tier, node.hashes[-n * HASH_BYTES :])
-        tail = ids[-n:]
-        del ids[-n:]
-        del node.tokens[-n * bs :]
-        if node._hashes is not None:
-            node._hashes = node._hashes[: -n * HASH_BYTES]
-        node.depth_tokens -= n * bs
-        self._cached[tier] -= n
-        self._evictable[tier] -= n
-        self._queues.requeue_top(tier, self._num_nodes)  # still a candidate, at the top
-        return self.pools[tier].decref_many(tail)
 
     def _release(self, node: RadixNode, tier: Tier) -> int:
         """Drop ``node``'s copy in ``tier``; returns blocks that went back to the free list."""
