@@ -442,3 +442,38 @@ def test_a_match_or_peek_below_a_known_node_is_the_one_from_the_root(
     assert got.residency() == want.residency()
     assert tree_shape(fast) == tree_shape(slow)
     fast.check_invariants()
+
+
+@settings(deadline=None, max_examples=100)
+@given(
+    seqs=st.lists(st.lists(st.integers(0, 2), min_size=2, max_size=12), min_size=1, max_size=4),
+    query=st.lists(st.integers(0, 2), max_size=14),
+    length=st.integers(0, 16),
+)
+def test_match_of_a_length_is_match_of_the_slice(
+    seqs: list[list[int]], query: list[int], length: int
+) -> None:
+    """`match(tokens, length=k)` (reuse_prefix's no-copy form) finds, splits and refreshes
+    exactly what `match(tokens[:k])` does."""
+    caches = []
+    for _ in range(2):
+        pool = BlockPool(64)
+        cache = RadixCache(2, {Tier.DEVICE: pool})
+        for seq in seqs:
+            n = len(seq) // 2
+            blocks = pool.allocate(n)
+            cache.insert(seq[: 2 * n], blocks)
+            pool.free(blocks)
+        caches.append(cache)
+    a = caches[0].match(query, length=length)
+    b = caches[1].match(query[:length])
+    assert (a.num_tokens, a.node.depth_tokens, a.blocks()) == (
+        b.num_tokens,
+        b.node.depth_tokens,
+        b.blocks(),
+    )
+    assert caches[0].stats == caches[1].stats
+    dump = [
+        [(n.depth_tokens, bytes(n.tokens), n.last_access) for n in c.iter_nodes()] for c in caches
+    ]
+    assert dump[0] == dump[1]

@@ -98,18 +98,21 @@ class RadixCache(RadixEviction):
         record: bool = True,
         tier: Tier | None = Tier.DEVICE,
         below: RadixNode | None = None,
+        length: int | None = None,
     ) -> MatchResult:
         """The longest cached block-aligned prefix of ``tokens`` whose every block has a copy in
         ``tier`` (any tier if None), its nodes' access times refreshed (splitting the last one
         where the prefix ends inside its edge).
 
         ``below``: a node whose path is a prefix of ``tokens`` (a trajectory's locked node):
-        its path is taken without comparing tokens, with the same result."""
+        its path is taken without comparing tokens, with the same result. ``length``: look at
+        the first ``length`` tokens only, as `match` of ``tokens[:length]`` would (no copy)."""
         arr = as_token_array(tokens)
+        n = len(arr) if length is None else max(0, min(length, len(arr)))
         bs = self.block_size
         node = self.root(salt)
         query = arr.tobytes()
-        end = len(arr) // bs * bs * 4
+        end = n // bs * bs * 4
         step = 4 * bs
         now = self._clock()
         path = self._path_to(below, node, tier, end // 4) if below is not None else []
@@ -137,7 +140,7 @@ class RadixCache(RadixEviction):
                 break
         num_tokens = offset // 4
         if record:
-            self.stats.queried_tokens += len(arr)
+            self.stats.queried_tokens += n
             self.stats.hit_tokens += num_tokens
         return MatchResult(node, num_tokens, path)
 

@@ -174,7 +174,9 @@ class Trajectory:
         self._sync()
         n = len(self.tokens)
         end = max(n - 1, 0) if self.reuse_limit is None else min(max(n - 1, 0), self.reuse_limit)
-        match = self._radix.match(self._buf[:end], self.salt, record=False, below=self.locked_node)
+        match = self._radix.match(
+            self._buf, self.salt, record=False, below=self.locked_node, length=end
+        )
         window = self.window
         computed = self.num_computed_tokens
         if window is not None and match.num_tokens > computed:
