@@ -111,16 +111,19 @@ class RadixCache(RadixEviction):
         n = len(arr) if length is None else max(0, min(length, len(arr)))
         bs = self.block_size
         node = self.root(salt)
-        query = arr.tobytes()
-        end = n // bs * bs * 4
+        size = n // bs * bs  # the block-aligned tokens a match can cover
         step = 4 * bs
         now = self._clock()
-        path = self._path_to(below, node, tier, end // 4) if below is not None else []
+        path = self._path_to(below, node, tier, size) if below is not None else []
         for known in path:
             known.last_access = now
         if path:
             node = path[-1]
-        offset = node.depth_tokens * 4
+        base = node.depth_tokens  # covered by the path taken from ``below``
+        with memoryview(arr) as view:  # only the tokens past it are compared: copy just those
+            query = view[base:size].tobytes()
+        end = len(query)
+        offset = 0  # bytes of ``query`` matched
         while offset < end:  # hot path
             child = node.children.get(query[offset : offset + step])
             if child is None or (tier is not None and tier not in child.blocks):
@@ -138,7 +141,7 @@ class RadixCache(RadixEviction):
             offset += k * step
             if k * bs < len(edge):
                 break
-        num_tokens = offset // 4
+        num_tokens = base + offset // 4
         if record:
             self.stats.queried_tokens += n
             self.stats.hit_tokens += num_tokens

@@ -286,13 +286,15 @@ class Trajectory:
             self.locked_tokens = n_full * bs  # the locked leaf now ends at n_full blocks
             self.num_private_blocks -= n_full - shared
             return n_full - shared
-        result = self._radix.insert_below(self.locked_node, tokens, table[shared:n_full])
-        pool = self._pool
-        for i, block in enumerate(result.blocks, start=shared):
-            if table[i] != block:
-                pool.incref(block)
-                pool.decref(table[i])
-                table[i] = block
+        own = table[shared:n_full]
+        result = self._radix.insert_below(self.locked_node, tokens, own)
+        if result.blocks != own:  # some blocks were cached already: hold those instead
+            pool = self._pool
+            for i, block in enumerate(result.blocks, start=shared):
+                if table[i] != block:
+                    pool.incref(block)
+                    pool.decref(table[i])
+                    table[i] = block
         self._lock_to(result.node)
         return result.num_new_blocks
 
