@@ -148,12 +148,12 @@ class KVManager:
             require(traj.traj_id == traj_id, f"trajectory {traj.traj_id} registered as {traj_id}")
             require(not traj.closed, f"closed trajectory {traj_id} is still registered")
             traj.check_invariants()
-            expected[Tier.DEVICE][traj.block_table] += 1
+            shared = traj.locked_tokens // self.block_size
+            expected[Tier.DEVICE][traj.block_table[shared:]] += 1  # its lock holds the rest
             if traj.window is not None:
                 for b in traj.window.blocks:
                     if b != NULL_BLOCK:
                         window_refs[b] += 1
-            shared = traj.locked_tokens // self.block_size
             private = set(traj.block_table[shared:])
             require(
                 not private & indexed_device,

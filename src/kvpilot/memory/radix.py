@@ -307,13 +307,24 @@ class RadixCache(RadixEviction):
         self.stats.inserted_blocks += taken
         return InsertResult(node, canonical, taken)
 
-    def extend_leaf(self, node: RadixNode, tokens: Sequence[int], blocks: Sequence[int]) -> bool:
+    def extend_leaf(
+        self,
+        node: RadixNode,
+        tokens: Sequence[int],
+        blocks: Sequence[int],
+        *,
+        adopt: bool = False,
+    ) -> bool:
         """Append whole blocks to ``node``'s edge in place (for the holder of its only lock).
 
         Only when ``node`` is a non-root leaf whose single copy is on device and that exactly
         one lock reaches; otherwise nothing changes and it returns False (use ``insert_below``).
         A decoding session that commits every full block then grows one node, not a chain of
         one-block nodes that would make every later match walk them all.
+
+        ``adopt``: the caller hands its references on ``blocks`` to the tree (a trajectory
+        committing its private blocks: its lock holds them from now on) instead of the tree
+        taking new ones.
         """
         bs = self.block_size
         n = len(blocks)
@@ -337,7 +348,8 @@ class RadixCache(RadixEviction):
         # A commit passes an int32 array: take it as it is, without a call (the hot path).
         ok = isinstance(tokens, array) and tokens.typecode == "i"
         arr = tokens if ok else as_token_array(tokens)
-        self.pools[DEVICE].incref_many(blocks)
+        if not adopt:
+            self.pools[DEVICE].incref_many(blocks)
         if self.observer is not None:
             node.hashes  # noqa: B018 (an observed tree keeps every node's hashes)
         if node._hashes is not None:

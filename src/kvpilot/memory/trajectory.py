@@ -49,8 +49,10 @@ class Trajectory:
 
     ``block_table[i]`` holds KV of positions ``[i*B, (i+1)*B)``. The first
     ``locked_tokens // B`` entries are the blocks of the radix path it locks (shared); the
-    rest are private. The trajectory holds one reference on every block of its table, shared
-    or private, and one lock on ``locked_node`` (a root when nothing is cached) while open::
+    rest are private. The trajectory holds one reference on each private block and one lock on
+    ``locked_node`` (a root when nothing is cached) while open. The lock is its hold on the
+    shared blocks: a locked path is never evicted, and the tree's references keep its blocks,
+    so adopting, forking or releasing a cached prefix touches no refcount per block::
 
         block_table: [ 7 | 3 | 12 | 1 | 9 ]      B = 4, num_computed_tokens = 18
                       \\__ locked path __/ \\_ private partial tail (2 of 4 slots valid)
@@ -191,14 +193,10 @@ class Trajectory:
             table = self.block_table
             pool = self._pool
             overlap = min(len(table), len(new_blocks))
-            for i in range(shared, overlap):
-                if table[i] != new_blocks[i]:
-                    pool.incref(new_blocks[i])
-                    pool.decref(table[i])
-                    table[i] = new_blocks[i]
-            extra = new_blocks[overlap:]
-            pool.incref_many(extra)
-            table.extend(extra)
+            for i in range(shared, overlap):  # private blocks the locked path now covers
+                pool.decref(table[i])
+                table[i] = new_blocks[i]
+            table.extend(new_blocks[overlap:])  # held by the lock
             self._recount()
             if window is not None:
                 window.adopt(match.num_tokens // self._bs, computed, self._buf)
@@ -282,20 +280,19 @@ class Trajectory:
             self._sync()
         table = self.block_table
         tokens = self._buf[shared * bs : n_full * bs]
-        if self._radix.extend_leaf(self.locked_node, tokens, table[shared:n_full]):
+        if self._radix.extend_leaf(self.locked_node, tokens, table[shared:n_full], adopt=True):
             self.locked_tokens = n_full * bs  # the locked leaf now ends at n_full blocks
             self.num_private_blocks -= n_full - shared
             return n_full - shared
         own = table[shared:n_full]
         result = self._radix.insert_below(self.locked_node, tokens, own)
-        if result.blocks != own:  # some blocks were cached already: hold those instead
-            pool = self._pool
-            for i, block in enumerate(result.blocks, start=shared):
-                if table[i] != block:
-                    pool.incref(block)
-                    pool.decref(table[i])
-                    table[i] = block
+        if result.blocks != own:  # some blocks were cached already: use those instead
+            table[shared:n_full] = result.blocks
         self._lock_to(result.node)
+        # The lock now holds the path: drop the private references (the tree took its own on
+        # the blocks it kept; the duplicates of cached blocks go back to the pool).
+        self._pool.decref_many(own)
+        self.num_private_blocks = len(table) - n_full
         return result.num_new_blocks
 
     def finish_turn(self) -> None:
@@ -326,8 +323,7 @@ class Trajectory:
         child = Trajectory(manager, manager.next_trajectory_id(), self.salt)
         child._buf = array("i", self._buf)
         child.tokens = list(self.tokens)
-        shared = self.block_table[:n_full]
-        pool.incref_many(shared)
+        shared = self.block_table[:n_full]  # the parent's locked path (committed just now)
         child.block_table = shared if dst is None else [*shared, dst]
         child._lock_to(self.locked_node)  # and counts its blocks
         child.num_computed_tokens = self.num_computed_tokens
@@ -347,11 +343,11 @@ class Trajectory:
         if self.window is not None:
             self._sync()
             self.window.release_all(self.num_computed_tokens, self._buf, publish=keep_in_cache)
-        table = self.block_table
+        private = self.block_table[self.locked_tokens // self._bs :]
         self.block_table = []
         self.num_computed_tokens = 0
         self._lock_to(self._radix.root(self.salt))
-        self._pool.decref_many(table)
+        self._pool.decref_many(private)
 
     def truncate(self, num_tokens: int) -> None:
         """Rewind to the first ``num_tokens`` tokens (a client resent a history that diverged).
@@ -374,12 +370,14 @@ class Trajectory:
             keep = num_tokens // bs
             if window is not None:  # back to where the window group's KV is whole
                 keep = window.longest_valid(keep, self.num_computed_tokens, self._buf)
-            if keep * bs < self.locked_tokens:
-                # The cut falls inside the shared path: hold only the blocks before it
-                # (matching splits the node at that block boundary).
+            shared = self.locked_tokens // bs
+            if keep < shared:
+                # The cut falls inside the shared path: lock only its first ``keep`` blocks
+                # (matching splits the node at that block boundary; the whole locked path is
+                # on device, so the match ends exactly there and no block turns private).
                 match = self._radix.match(self._buf[: keep * bs], self.salt, record=False)
                 self._lock_to(match.node)
-            extra = self.block_table[keep:]
+            extra = self.block_table[max(keep, shared) :]  # the private blocks past the cut
             del self.block_table[keep:]
             self._pool.decref_many(extra)
             if window is not None:
