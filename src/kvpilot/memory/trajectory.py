@@ -144,7 +144,8 @@ class Trajectory:
 
     def token_array(self) -> array:
         """The tokens as int32 (kept in step with ``tokens``): match on this, not the list."""
-        self._sync()
+        if len(self._buf) != len(self.tokens):  # the call only when the list was appended to
+            self._sync()
         return self._buf
 
     def append_token(self, token: int) -> None:
@@ -173,7 +174,8 @@ class Trajectory:
         ``record=False`` leaves the hit statistics alone (a retry of the same admission).
         """
         self._require_open()
-        self._sync()
+        if len(self._buf) != len(self.tokens):
+            self._sync()
         n = len(self.tokens)
         end = max(n - 1, 0) if self.reuse_limit is None else min(max(n - 1, 0), self.reuse_limit)
         match = self._radix.match(
