@@ -41,7 +41,9 @@ from __future__ import annotations
 
 from array import array
 from bisect import bisect_left
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Collection, Sequence
+from functools import reduce
+from operator import add, sub
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from kvpilot.memory.tiers import Tier
@@ -56,23 +58,34 @@ MAX_RUN_STEPS = 4096
 _DEVICE = Tier.DEVICE  # an enum member's class attribute lookup is slow on the hot path
 
 
+class TokenStream(NamedTuple):
+    """The tokens a sequence samples at generation steps ``first``, ``first + 1``, ...: as
+    plain ints (``tokens``) and as the same int32 ids (``ids``), as a trajectory takes them."""
+
+    first: int
+    tokens: list[int]
+    ids: array
+
+
 class DecodeRunExecutor(Protocol):
     """An executor that can account many decode-only steps at once (the simulator's)."""
 
-    def decode_run_times(self, positions: Sequence[int]) -> Iterator[float]:
+    def decode_run_clock(
+        self, positions: Sequence[int], start: float, until: float, max_steps: int
+    ) -> tuple[list[float], list[float]]:
         """Seconds of each successive step decoding sequences at ``positions`` (their start
-        positions at the first step), exactly as `execute` would take."""
+        positions at the first step), exactly as `execute` would take, from clock time
+        ``start``: up to ``max_steps`` steps or to the first that ends at or after ``until``.
+        And their start times, each the previous one plus its step's duration, as a clock
+        advanced step by step adds them, followed by the last step's end."""
         ...
 
-    def decode_run_tokens(self, seed: int, first_step: int, steps: int) -> list[int]:
+    def decode_run_stream(
+        self, seed: int, first_step: int, steps: int, ahead: int = 0
+    ) -> TokenStream:
         """The tokens `execute` samples for a sequence of ``seed`` at generation steps
-        ``first_step`` onwards."""
-        ...
-
-    def decode_run_tokens_many(
-        self, seeds: Sequence[int], first_steps: Sequence[int], steps: int
-    ) -> list[list[int]]:
-        """`decode_run_tokens` of each sequence, ``seeds[i]`` from ``first_steps[i]`` on."""
+        ``first_step`` onwards, at least ``steps`` of them, in a stream that may start earlier
+        and run further; ``ahead``: how many later runs may ask for (a hint)."""
         ...
 
     def record_decode_run(
@@ -100,9 +113,10 @@ class RunLookout(Protocol):
         ...
 
 
-def _blocks_by(k: int, first: int, block: int) -> int:
-    """Boundary steps j < k of the arithmetic progression first, first + block, ..."""
-    return 0 if k <= first else (k - first - 1) // block + 1
+def _blocks_needed(k: int, firsts: list[int], block: int) -> int:
+    """Blocks the first ``k`` steps of a run allocate, sequence ``i`` one at each of the steps
+    ``firsts[i], firsts[i] + block, ...``."""
+    return sum([(k - first - 1) // block + 1 for first in firsts if first < k])
 
 
 def _extends_in_place(traj: Trajectory) -> bool:
@@ -141,19 +155,19 @@ def advance_decode_run(
     samples some session turns' last tokens; the requests it finishes are appended to it
     (what `Engine.step` returns with ``snapshots=False``). With ``lookout``, it looks at the
     engine inside the run where it asks to (`RunLookout`)."""
-    executor = engine.executor
-    times = getattr(executor, "decode_run_times", None)
-    clock = engine.clock
-    if times is None or getattr(clock, "advance_to", None) is None:
-        return 0
-    if engine.kv.window is not None:  # window tables slide every step: left to step()
-        return 0
-    sched, cfg, offload, kv = engine.scheduler, engine.config.scheduler, engine.offload, engine.kv
+    sched, cfg = engine.scheduler, engine.config.scheduler
     running = sched.running
     n = len(running)
-    if not n or n > cfg.max_num_batched_tokens or offload.busy():
+    # The cheapest refusals first: about half the calls end at one of these.
+    if not n or n > cfg.max_num_batched_tokens:
         return 0
     if sched.waiting and n < cfg.max_num_batched_tokens and n < cfg.max_num_seqs:
+        return 0
+    executor, clock, offload, kv = engine.executor, engine.clock, engine.offload, engine.kv
+    run_clock = getattr(executor, "decode_run_clock", None)
+    if run_clock is None or getattr(clock, "advance_to", None) is None:
+        return 0
+    if kv.window is not None or offload.busy():  # window tables slide every step: step()
         return 0
     now = clock.now()
     timer = offload.next_event_at()
@@ -163,13 +177,17 @@ def advance_decode_run(
         until = min(until, timer)
     block = kv.block_size
     k_max = max_steps
-    stops: list[Collection[int]] = []
     max_len, eos = engine.max_model_len, engine.eos_token_ids
     text_stops = engine.tokenizer is not None
+    positions: list[int] = []
+    firsts: list[int] = []  # sequence i needs a block at steps firsts[i], firsts[i] + B, ...
+    lasts: list[int] = []  # the step sampling sequence i's last token is lasts[i] - 1
+    stopping: list[tuple[int, Collection[int]]] = []  # sequences with stop tokens: theirs
     for seq in running:  # hot path
         traj = seq.traj
+        p = traj.num_computed_tokens
         tokens = len(traj.tokens)
-        if tokens - traj.num_computed_tokens != 1 or seq.last_token_time is None:
+        if tokens - p != 1 or seq.last_token_time is None:
             return 0
         request = seq.request
         params = request.params
@@ -184,78 +202,79 @@ def advance_decode_run(
         stop: Collection[int] = params.stop_token_ids
         if eos and not params.ignore_eos:
             stop = frozenset(stop) | eos
-        stops.append(stop)
+        if stop:
+            stopping.append((len(positions), stop))
+        positions.append(p)
+        firsts.append(len(traj.block_table) * block - p)
+        lasts.append(last)
     if k_max < 2:
         return 0
-    # Blocks: sequence i needs one at steps first_i, first_i + B, ...; stay within what is
-    # free or evictable from the cache (allocating evicts, in the same order as step() would).
-    positions = [seq.traj.num_computed_tokens for seq in running]
-    firsts = [
-        len(seq.traj.block_table) * block - p for seq, p in zip(running, positions, strict=True)
-    ]
-    free = kv.free_blocks()
-    durations: list[float] = []
-    starts = [now]
-    t = now
-    for dt in times(positions):  # step k starts at t: take it if it starts before `until`
-        t += dt
-        durations.append(dt)
-        starts.append(t)
-        if t >= until or len(durations) == k_max:
-            break
+    durations, starts = run_clock(positions, now, until, k_max)
     k = len(durations)
-    while k and sum(_blocks_by(k, f, block) for f in firsts) > free:
+    # Stay within the blocks free or evictable from the cache (allocating evicts, in the
+    # same order as step() would).
+    free = kv.free_blocks()
+    while k and _blocks_needed(k, firsts, block) > free:
         k -= 1
-    sampled = executor.decode_run_tokens_many(  # type: ignore[attr-defined]
-        [seq.seed for seq in running], [len(seq.output_token_ids) for seq in running], k
-    )
-    for tokens, stop_ids in zip(sampled, stops, strict=True):
-        if stop_ids and any(tok in stop_ids for tok in tokens):
-            k = min(k, next(j for j, tok in enumerate(tokens) if tok in stop_ids))
+    if k < 2:
+        return 0
+    stream = executor.decode_run_stream  # type: ignore[attr-defined]
+    streams: list[TokenStream] = [
+        stream(seq.seed, len(seq.output_token_ids), k, last)
+        for seq, last in zip(running, lasts, strict=True)
+    ]
+    for i, stop in stopping:  # end before the step that samples a stop token
+        s, a = streams[i], len(running[i].output_token_ids)
+        sampled = s.tokens[a - s.first : a - s.first + k]
+        k = next((j for j, token in enumerate(sampled) if token in stop), k)
     looks: list[int] = []
     if lookout is not None and k >= 2:
         looks, k = lookout.plan_looks(starts[: k + 1])
     if k < 2:
         return 0
-    run = _Run(positions, firsts, durations[:k], starts[: k + 1], sampled)
+    del durations[k:], starts[k + 1 :]
+    run = _Run(positions, firsts, lasts, durations, starts, streams)
     _apply(engine, run, finished, looks, lookout)
     return k
 
 
 class _Run(NamedTuple):
-    """A planned run: per sequence its start position and first block-boundary step, the
-    steps' durations and start times (``starts[k]``: the end), per sequence its tokens."""
+    """A planned run: per sequence its start position, first block-boundary step and the
+    step count to its last token; the steps' durations and start times (``starts[k]``: the
+    end); per sequence the stream holding its tokens."""
 
     positions: list[int]
     firsts: list[int]
+    lasts: list[int]
     durations: list[float]
     starts: list[float]
-    sampled: list[list[int]]
+    streams: list[TokenStream]
 
 
 def _record_itls(
-    itl: list[float], running: list[Seq], run: _Run, a: int, b: int, last: int
+    itl: list[float], running: list[Seq], run: _Run, gaps: list[float], a: int, b: int, last: int
 ) -> None:
-    """Record the inter-token latencies of the run's steps ``a .. b-1`` (``last``: how many
-    tokens its final step counts), in step order, each step's once per token it counts."""
-    starts = run.starts
+    """Record the inter-token latencies of the run's steps ``a .. b-1`` (``gaps[j]``: step
+    ``j``'s; ``last``: how many tokens its final step counts), in step order, each step's
+    once per token it counts."""
     if a == 0 and b > 0:
-        itl.extend([starts[1] - seq.last_token_time for seq in running])  # type: ignore[operator]
+        first = run.starts[1]
+        itl += [first - seq.last_token_time for seq in running]  # type: ignore[operator]
         a = 1
-    k, n = len(run.durations), len(running)
+    k, n = len(gaps), len(running)
     full = min(b, k - 1)  # steps a .. full-1 count n tokens each
     if full > a:
-        gaps = [starts[j + 1] - starts[j] for j in range(a, full)]
-        if n < len(gaps):  # fewer slices than steps: interleave n copies of the gaps
-            out = [0.0] * (n * len(gaps))
+        steps = gaps[a:full]
+        if n < len(steps):  # fewer slices than steps: interleave n copies of the gaps
+            out = [0.0] * (n * len(steps))
             for i in range(n):
-                out[i::n] = gaps
+                out[i::n] = steps
             itl += out
         else:
-            for gap in gaps:
+            for gap in steps:
                 itl += [gap] * n
     if b == k and k - 1 >= a:
-        itl += [starts[k] - starts[k - 1]] * last
+        itl += [gaps[k - 1]] * last
 
 
 def _apply(
@@ -272,31 +291,22 @@ def _apply(
     Only the steps where something happens are visited (a look, an offload poll due, an
     allocation or a commit); the clock jumps to each one's start: ``starts`` are the sums the
     clock's own additions would give, so it shows the same times as stepping."""
-    positions, firsts, durations, starts, sampled = run
+    positions, firsts, lasts, durations, starts, streams = run
     k = len(durations)
     running = list(engine.scheduler.running)
     n = len(running)
-    limit = engine.max_model_len
-    ending = [
-        i
-        for i, seq in enumerate(running)
-        if len(seq.output_token_ids) + k >= seq.request.params.max_tokens
-        or positions[i] + 1 + k >= limit
-    ]
-    assert finished is not None or not ending, "a run finishes sequences only when asked"
     block = engine.kv.block_size
     clock, offload, stats = engine.clock, engine.offload, engine.stats
     commit = engine.config.scheduler.enable_prefix_caching
-    # What happens at step j besides the tokens: (sequence, commit?); allocations sort first.
-    events: dict[int, list[tuple[bool, int]]] = {}
+    # What happens at step j besides the tokens: (j, commit?, sequence), allocations first
+    # (before the step executes), commits after.
+    events: list[tuple[int, bool, int]] = []
+    ending: list[tuple[Seq, int]] = []  # sequences whose last token step k-1 samples: it
     for i, seq in enumerate(running):
         traj = seq.traj
         p = positions[i]
         for j in range(firsts[i], k, block):
-            if j in events:
-                events[j].append((False, i))
-            else:
-                events[j] = [(False, i)]
+            events.append((j, False, i))
         if commit:
             locked = traj.locked_tokens // block
             first = max(0, (locked + 1) * block - p - 1)  # the first step whose commit adds
@@ -305,11 +315,21 @@ def _apply(
                 # access time), at the last step that completes a block.
                 last = (p + k) // block * block - p - 1
                 if first < last and not _extends_in_place(traj):
-                    events.setdefault(first, []).append((True, i))
-                events.setdefault(max(first, last), []).append((True, i))
-        tokens = sampled[i][: k - 1] if ending and i in ending else sampled[i][:k]
+                    events.append((first, True, i))
+                events.append((max(first, last), True, i))
+        stream = streams[i]
+        a = len(seq.output_token_ids) - stream.first
+        b = a + k
+        if lasts[i] <= k:  # its last token is appended by end_decode_run, which finishes it
+            b -= 1
+            ending.append((seq, stream.tokens[b]))
+        tokens = stream.tokens[a:b]
         seq.output_token_ids += tokens
-        traj.append_tokens(tokens, array("i", tokens))
+        traj.append_tokens(tokens, stream.ids[a:b])
+    assert finished is not None or not ending, "a run finishes sequences only when asked"
+    events.sort()
+    events.append((k, False, n))  # none at step k: the run's end
+    gaps = list(map(sub, starts[1:], starts))  # what stepping records as each step's time
     idle = engine.sessions.idle  # what Engine.step polls with
     jump = clock.advance_to  # type: ignore[attr-defined]
     shown = starts[0]  # what the clock shows: nothing but the run may move it
@@ -319,15 +339,13 @@ def _apply(
     itl = stats.itl_s
     last_count = n - len(ending)  # the last step's tokens (ending sequences' are counted apart)
     recorded = 0  # steps whose inter-token latencies are in itl
-    steps = sorted(events)
-    steps.append(k)
-    e = 0  # steps[e]: the next step with allocations or commits
+    e = 0  # events[e]: the next allocation or commit
     looks = [*looks, k]
     lk = 0  # looks[lk]: the next boundary to look at
     j = 0
     while True:  # as Engine.step at each step: poll, schedule (allocate), execute, commit
         poll_j = bisect_left(starts, poll_at, j, k)  # the first step from j that polls
-        j = min(steps[e], looks[lk], poll_j)
+        j = min(events[e][0], looks[lk], poll_j)
         if j >= k:
             break
         assert clock.now() == shown, "the clock moved inside a decode run"
@@ -335,7 +353,7 @@ def _apply(
         shown = starts[j]
         if j == looks[lk]:  # the state after j steps, before step j polls and allocates
             assert lookout is not None
-            _record_itls(itl, running, run, recorded, j, last_count)
+            _record_itls(itl, running, run, gaps, recorded, j, last_count)
             recorded = j
             lookout.look()
             lk += 1
@@ -343,33 +361,26 @@ def _apply(
             offload.poll(idle)
             poll_at = offload.next_poll_at()
             poll_at -= 1e-9 * max(1.0, abs(poll_at))
-        if j == steps[e]:
+        while events[e][0] == j:
+            _, is_commit, i = events[e]
             e += 1
-            todo = events[j]
-            todo.sort()
-            for is_commit, i in todo:
-                if not is_commit:
-                    traj = running[i].traj
-                    traj.allocate(positions[i] + j + 1 - traj.num_computed_tokens)
-            if todo[-1][0]:  # commits come after the step's execution
+            traj = running[i].traj
+            if not is_commit:
+                traj.allocate(positions[i] + j + 1 - traj.num_computed_tokens)
+                continue
+            if shown != starts[j + 1]:  # commits come after the step's execution
                 assert clock.now() == shown, "the clock moved inside a decode run"
                 jump(starts[j + 1])
                 shown = starts[j + 1]
-                for is_commit, i in todo:
-                    if is_commit:
-                        traj = running[i].traj
-                        traj.mark_computed(positions[i] + j + 1 - traj.num_computed_tokens)
-                        traj.commit()
+            traj.mark_computed(positions[i] + j + 1 - traj.num_computed_tokens)
+            traj.commit()
         j += 1
     assert clock.now() == shown, "the clock moved inside a decode run"
     jump(starts[k])
-    step_time = stats.step_time_s
-    for j in range(k):
-        step_time += starts[j + 1] - starts[j]
-    stats.step_time_s = step_time
+    stats.step_time_s = reduce(add, gaps, stats.step_time_s)  # in order, as observe_step
     end_time = starts[k]
     # The ending sequences' last tokens are counted by end_decode_run below.
-    _record_itls(itl, running, run, recorded, k, last_count)
+    _record_itls(itl, running, run, gaps, recorded, k, last_count)
     observe = offload.observe_computed
     for i, seq in enumerate(running):
         traj = seq.traj
@@ -385,7 +396,7 @@ def _apply(
     if not ending:
         return
     # The last step samples these sequences' last tokens: the engine finishes them.
-    for i in ending:
-        running[i].last_token_time = starts[k - 1]
+    for seq, _ in ending:
+        seq.last_token_time = starts[k - 1]
     assert finished is not None
-    finished += engine.end_decode_run([(running[i], sampled[i][k - 1]) for i in ending], end_time)
+    finished += engine.end_decode_run(ending, end_time)

@@ -23,13 +23,15 @@ counts the masked half of the square too. A sliding-window layer group ``g`` of 
 batch (every expert of a mixture-of-experts model: an upper bound at large batch).
 
 `decode_run_s` gives the durations of successive decode-only steps (the simulator's uniform
-decode runs), equal bit for bit to `step_time_s` of each step's shape.
+decode runs), equal bit for bit to `step_time_s` of each step's shape; `decode_run_clock`
+the same durations with the clock times they lead to, as far as a run may go.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import Protocol
 
 from kvpilot.engine.executor import SeqWork
@@ -132,6 +134,29 @@ def decode_run_shape(
     )
 
 
+def run_clock(
+    durations: Iterator[float], start: float, until: float, max_steps: int
+) -> tuple[list[float], list[float]]:
+    """Successive step ``durations`` from clock time ``start``: the first ones, up to
+    ``max_steps`` of them or to the first that ends at or after ``until``, and the start
+    times of those steps followed by the last one's end. Each time is the previous one plus
+    its step's duration, the addition a clock advanced step by step makes::
+
+        durations:   d_0      d_1            d_{k-1}
+        starts:   s_0 ---> s_1 ---> ... ---> s_{k-1} ---> s_k     s_{j+1} = s_j + d_j
+    """
+    taken: list[float] = []
+    starts = [start]
+    t = start
+    for dt in islice(durations, max_steps):
+        t += dt
+        taken.append(dt)
+        starts.append(t)
+        if t >= until:
+            break
+    return taken, starts
+
+
 @dataclass(frozen=True, slots=True)
 class StepCost:
     """The breakdown of one step's time (per device)."""
@@ -168,6 +193,13 @@ class StepCostModel(Protocol):
     def decode_run_s(self, positions: Sequence[int]) -> Iterator[float]:
         """Seconds of each successive decode-only iteration of sequences at ``positions``
         (each one token further per step): `step_time_s` of each step's shape, exactly."""
+        ...
+
+    def decode_run_clock(
+        self, positions: Sequence[int], start: float, until: float, max_steps: int
+    ) -> tuple[list[float], list[float]]:
+        """`run_clock` of `decode_run_s`: the durations of the run's steps from clock time
+        ``start`` and their start times."""
         ...
 
     def copy_time_s(self, num_blocks: int) -> float:
@@ -305,6 +337,32 @@ class RooflineCostModel:
         if not windows:
             return self._full_attention_run_s(n, kv_read)
         return self._window_run_s(positions, n, kv_read, windows)
+
+    def decode_run_clock(
+        self, positions: Sequence[int], start: float, until: float, max_steps: int
+    ) -> tuple[list[float], list[float]]:
+        if self._windows:
+            return run_clock(self.decode_run_s(positions), start, until, max_steps)
+        # hot path: `run_clock` of `_full_attention_run_s`, the generator unrolled into it
+        n = len(positions)
+        tokens = sum(positions) + n  # kv_read + new tokens of the first step
+        linear = self._s_per_token * n
+        s_pair, weights, s_kv = self._s_per_pair, self._weights_s, self._s_per_kv_token
+        overhead = self.step_overhead_s
+        durations: list[float] = []
+        starts = [start]
+        t = start
+        for _ in range(max_steps):  # the same operations, in the same order, as step_time_s
+            compute = linear + s_pair * tokens
+            memory = weights + s_kv * tokens
+            dt = (compute if compute > memory else memory) + overhead
+            t += dt
+            durations.append(dt)
+            starts.append(t)
+            if t >= until:
+                break
+            tokens += n
+        return durations, starts
 
     def _full_attention_run_s(self, n: int, kv_read: int) -> Iterator[float]:
         linear = self._s_per_token * n

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from kvpilot.errors import ConfigError
-from kvpilot.sim.cost_model import BatchShape
+from kvpilot.sim.cost_model import BatchShape, run_clock
 
 PROFILE_KIND = "kvpilot-step-profile"
 PROFILE_VERSION = 1
@@ -146,6 +146,11 @@ class CalibratedCostModel:
             t = c[0] + c[1] * 0 + c[2] * n + c[3] * kv_read + c[4] * (kv_read + n)
             yield max(t, 0.0)
             kv_read += n
+
+    def decode_run_clock(
+        self, positions: Sequence[int], start: float, until: float, max_steps: int
+    ) -> tuple[list[float], list[float]]:
+        return run_clock(self.decode_run_s(positions), start, until, max_steps)
 
     def copy_time_s(self, num_blocks: int) -> float:
         return num_blocks * self.profile.copy_block_s

@@ -9,11 +9,15 @@ seeded sampling would). Output lengths come from the workload (``max_tokens`` wi
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from array import array
+from collections.abc import Sequence
+from functools import reduce
+from operator import add
 
 import numpy as np
 
 from kvpilot.engine.clock import VirtualClock
+from kvpilot.engine.decode_run import TokenStream
 from kvpilot.engine.executor import SeqWork, StepOutput
 from kvpilot.errors import ConfigError
 from kvpilot.memory.hashing import ModelFingerprint
@@ -21,6 +25,8 @@ from kvpilot.sim.cost_model import BatchShape, StepCostModel, decode_run_shape, 
 
 _SEED_MUL, _STEP_MUL, _DRAW_MUL, _MASK = 0x9E3779B1, 0x85EBCA77, 0xC2B2AE3D, 0xFFFFFFFF
 _VECTOR_MIN_TOKENS = 48  # fewer draws than this: a comprehension beats numpy's fixed cost
+_STREAM_SEEDS = 4096  # seeds whose draws a runner keeps (well above any batch's sequences)
+_STREAM_MAX_STEPS = 1024  # draws made at once for one seed, unless more are asked for
 
 
 def _step_offsets(steps: int) -> np.ndarray:
@@ -68,6 +74,7 @@ class SimulatedRunner:
         self._last_shape = BatchShape()
         self._last_run: tuple[Sequence[int], int] | None = None  # (positions, last step)
         self._high_water: dict[int, int] = {}
+        self._streams: dict[int, TokenStream] = {}  # by seed: its draws made ahead
 
     @property
     def last_shape(self) -> BatchShape:
@@ -130,9 +137,12 @@ class SimulatedRunner:
 
     # -- uniform decode runs (kvpilot.engine.decode_run) ---------------------------------
 
-    def decode_run_times(self, positions: Sequence[int]) -> Iterator[float]:
-        """Durations of successive decode-only steps of sequences at ``positions``."""
-        return self.cost.decode_run_s(positions)
+    def decode_run_clock(
+        self, positions: Sequence[int], start: float, until: float, max_steps: int
+    ) -> tuple[list[float], list[float]]:
+        """Durations and start times of successive decode-only steps of sequences at
+        ``positions`` from clock time ``start`` (`StepCostModel.decode_run_clock`)."""
+        return self.cost.decode_run_clock(positions, start, until, max_steps)
 
     def decode_run_tokens(self, seed: int, first_step: int, steps: int) -> list[int]:
         """What `execute` samples for a sequence of ``seed`` at generation steps
@@ -146,30 +156,41 @@ class SimulatedRunner:
             for draw in range(start, start + steps * _STEP_MUL, _STEP_MUL)
         ]
 
-    def decode_run_tokens_many(
-        self, seeds: Sequence[int], first_steps: Sequence[int], steps: int
-    ) -> list[list[int]]:
-        """`decode_run_tokens` of many sequences at once (vectorised when it pays)."""
-        n = len(seeds)
-        if n * steps < _VECTOR_MIN_TOKENS:
-            return [
-                self.decode_run_tokens(seed, first, steps)
-                for seed, first in zip(seeds, first_steps, strict=True)
-            ]
-        starts = np.fromiter(
-            (
-                (seed * _SEED_MUL + first * _STEP_MUL) & _MASK
-                for seed, first in zip(seeds, first_steps, strict=True)
-            ),
-            dtype=np.int64,
-            count=n,
-        )
+    def decode_run_stream(
+        self, seed: int, first_step: int, steps: int, ahead: int = 0
+    ) -> TokenStream:
+        """`decode_run_tokens` of ``seed`` from ``first_step`` on, at least ``steps`` of them,
+        as a stream that may start earlier and run further (`TokenStream`). ``ahead``: how
+        many the caller may ask for from ``first_step`` in later runs (a hint).
+
+        Draws are a pure function of (seed, step), so each seed's are drawn once, as far
+        ahead as hinted (up to `_STREAM_MAX_STEPS`), and kept for the runs that follow (a
+        sequence decodes in several runs): a run then only slices them. The oldest seeds
+        are forgotten past `_STREAM_SEEDS` (drawn again when asked for again)."""
+        streams = self._streams
+        stream = streams.get(seed)
+        if stream is not None:
+            offset = first_step - stream.first
+            if offset >= 0 and offset + steps <= len(stream.tokens):
+                return stream
+        draws = max(steps, min(ahead, _STREAM_MAX_STEPS))
+        stream = TokenStream(first_step, *self._draw(seed, first_step, draws))
+        if len(streams) >= _STREAM_SEEDS and seed not in streams:
+            del streams[next(iter(streams))]
+        streams[seed] = stream
+        return stream
+
+    def _draw(self, seed: int, first_step: int, steps: int) -> tuple[list[int], array]:
+        """`decode_run_tokens`, and the same tokens as int32 (vectorised when it pays)."""
+        if steps < _VECTOR_MIN_TOKENS:
+            tokens = self.decode_run_tokens(seed, first_step, steps)
+            return tokens, array("i", tokens)
+        start = (seed * _SEED_MUL + first_step * _STEP_MUL) & _MASK
         offsets = _STEP_OFFSETS[:steps] if steps <= len(_STEP_OFFSETS) else _step_offsets(steps)
-        draws = (starts[:, None] + offsets) & _MASK  # below 2**32 + steps * 2**32: exact
+        draws = (offsets + start) & _MASK  # below 2**32 + steps * 2**32: exact in int64
         draws %= self.vocab_size - 1
         draws += 1
-        tokens: list[list[int]] = draws.tolist()
-        return tokens
+        return draws.tolist(), array("i", draws.astype(np.int32).tobytes())
 
     def record_decode_run(
         self, seq_ids: Sequence[int], positions: Sequence[int], durations: Sequence[float]
@@ -177,10 +198,7 @@ class SimulatedRunner:
         """Count a run of decode-only steps as `execute` would have, one by one (the caller
         moves the clock)."""
         k = len(durations)
-        busy = self.busy_s
-        for dt in durations:
-            busy += dt
-        self.busy_s = busy
+        self.busy_s = reduce(add, durations, self.busy_s)  # the same additions, in order
         self.steps += k
         high = self._high_water
         for seq_id, p in zip(seq_ids, positions, strict=True):
