@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvpilot.engine.clock import VirtualClock
 from kvpilot.engine.executor import SeqWork
 from kvpilot.errors import ConfigError
 from kvpilot.sim.cost_model import (
@@ -261,3 +262,37 @@ def test_decode_run_durations_equal_each_steps_time_to_the_last_bit(
         shape = batch_shape(works, model.windows)
         assert shape == decode_run_shape(positions, step, model.windows)
         assert next(run) == model.step_time_s(shape)
+
+
+@pytest.mark.parametrize(
+    "model",
+    [
+        RooflineCostModel(GEMMA_LIKE, parse_node("h100"), 1),
+        RooflineCostModel(resolve_geometry("llama-3-70b"), parse_node("8xh100"), 8),
+        CalibratedCostModel(_profile()),
+    ],
+    ids=["roofline-hybrid", "roofline", "calibrated"],
+)
+@settings(deadline=None)
+@given(
+    positions=st.lists(st.integers(0, 9000), min_size=1, max_size=40),
+    start=st.floats(0.0, 1e5),
+    span=st.floats(0.0, 2.0),
+    max_steps=st.integers(1, 200),
+)
+def test_a_decode_runs_clock_is_the_clock_stepped_one_step_at_a_time(
+    model: Any, positions: list[int], start: float, span: float, max_steps: int
+) -> None:
+    # Each step's duration as step_time_s gives it, added to a virtual clock step by step,
+    # until max_steps steps or the first that ends at or after `until`: to the last bit.
+    until = start + span
+    clock = VirtualClock(start)
+    durations, starts = [], [clock.now()]
+    for step in range(max_steps):
+        dt = model.step_time_s(decode_run_shape(positions, step, model.windows))
+        clock.advance(dt)
+        durations.append(dt)
+        starts.append(clock.now())
+        if clock.now() >= until:
+            break
+    assert model.decode_run_clock(positions, start, until, max_steps) == (durations, starts)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvpilot.engine.clock import VirtualClock
 from kvpilot.engine.executor import SeqWork
 from kvpilot.engine.sampling import SamplingParams
+from kvpilot.sim import runner as runner_module
 from kvpilot.sim.cost_model import RooflineCostModel
 from kvpilot.sim.runner import SimulatedRunner
 from kvpilot.sizing.geometry import resolve_geometry
@@ -48,16 +50,46 @@ def test_several_samples_of_one_step_draw_apart() -> None:
 
 @settings(deadline=None)
 @given(
-    seeds=st.lists(st.integers(0, 2**64 - 1), min_size=1, max_size=12),
-    first=st.integers(0, 200_000),
-    steps=st.sampled_from([0, 1, 3, 19, 200, 5000]),
+    asks=st.lists(
+        st.tuples(
+            st.sampled_from([3, 11, 2**64 - 1]),  # few seeds: streams are asked for again
+            st.integers(0, 3000),
+            st.integers(0, 60),
+            st.integers(0, 2000),
+        ),
+        min_size=1,
+        max_size=25,
+    ),
     vocab=st.sampled_from([2, 32000, 152064]),
+    kept=st.sampled_from([1, 2, 4096]),
 )
-def test_many_sequences_draw_what_each_draws_alone(
-    seeds: list[int], first: int, steps: int, vocab: int
+def test_token_streams_hold_what_each_step_draws(
+    asks: list[tuple[int, int, int, int]], vocab: int, kept: int
 ) -> None:
+    # However the streams kept were drawn (how far ahead, from where, and which seeds were
+    # forgotten), each answer holds what execute samples at the steps asked for.
     sim = runner(vocab)
-    firsts = [first + 7 * i for i in range(len(seeds))]
-    many = sim.decode_run_tokens_many(seeds, firsts, steps)
-    assert many == [sim.decode_run_tokens(s, f, steps) for s, f in zip(seeds, firsts, strict=True)]
-    assert all(type(token) is int for tokens in many for token in tokens)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(runner_module, "_STREAM_SEEDS", kept)
+        ask_streams(sim, asks, kept)
+
+
+def ask_streams(sim: SimulatedRunner, asks: list[tuple[int, int, int, int]], kept: int) -> None:
+    for seed, first, steps, ahead in asks:
+        stream = sim.decode_run_stream(seed, first, steps, ahead)
+        a = first - stream.first
+        assert a >= 0 and a + steps <= len(stream.tokens) == len(stream.ids)
+        assert stream.tokens[a : a + steps] == sim.decode_run_tokens(seed, first, steps)
+        assert list(stream.ids) == stream.tokens
+        assert all(type(token) is int for token in stream.tokens)
+        assert len(sim._streams) <= kept
+
+
+def test_a_stream_is_drawn_once_for_the_runs_of_a_sequence() -> None:
+    sim = runner(32000)
+    stream = sim.decode_run_stream(5, 10, 18, ahead=300)
+    assert stream.first == 10 and len(stream.tokens) == 300
+    for first in range(10, 300, 18):  # the runs that follow slice it
+        assert sim.decode_run_stream(5, first, min(18, 310 - first), ahead=310 - first) is stream
+    later = sim.decode_run_stream(5, 305, 18, ahead=18)  # past its end: drawn again
+    assert later.first == 305 and later.tokens == sim.decode_run_tokens(5, 305, 18)
