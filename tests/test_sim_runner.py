@@ -93,3 +93,10 @@ def test_a_stream_is_drawn_once_for_the_runs_of_a_sequence() -> None:
         assert sim.decode_run_stream(5, first, min(18, 310 - first), ahead=310 - first) is stream
     later = sim.decode_run_stream(5, 305, 18, ahead=18)  # past its end: drawn again
     assert later.first == 305 and later.tokens == sim.decode_run_tokens(5, 305, 18)
+
+
+def test_a_stream_longer_than_the_offsets_kept_draws_the_same() -> None:
+    sim = runner(152064)
+    stream = sim.decode_run_stream(2**64 - 1, 123_456, 5000)
+    assert stream.tokens == sim.decode_run_tokens(2**64 - 1, 123_456, 5000)
+    assert list(stream.ids) == stream.tokens

@@ -48,3 +48,11 @@ class VirtualClock:
 
     def advance_to(self, t: float) -> None:
         self._now = max(self._now, t)
+
+    def move(self, shown: float, t: float) -> None:
+        """Jump from ``shown`` to ``t`` (not earlier): a decode run's visit to a later step.
+        The clock must still show ``shown``, where the run left it: anything else moving it
+        inside a run would shift every later step (`kvpilot.engine.decode_run`)."""
+        if self._now != shown:
+            raise AssertionError("the clock moved inside a decode run")
+        self._now = t

@@ -17,7 +17,7 @@ It returns 0 (and changes nothing) unless the next step is such a step:
 - every block the run needs is free or evictable from the prefix cache (a run allocates,
   and so evicts, at the same steps and in the same order as `Engine.step`);
 - no tier copy is in flight and no offload timer is due;
-- the executor implements `DecodeRunExecutor` and the clock can `advance_to` (a simulation);
+- the executor implements `DecodeRunExecutor` and the clock can `move` (a `VirtualClock`);
 - the model keeps no sliding-window pool (its window tables slide at every step).
 
 ``k`` ends before the step that samples a stop token (finishing on one is left to
@@ -39,6 +39,7 @@ the engine between steps (the simulator's telemetry samples) need not end runs f
 
 from __future__ import annotations
 
+import math
 from array import array
 from bisect import bisect_left
 from collections.abc import Collection, Sequence
@@ -165,7 +166,7 @@ def advance_decode_run(
         return 0
     executor, clock, offload, kv = engine.executor, engine.clock, engine.offload, engine.kv
     run_clock = getattr(executor, "decode_run_clock", None)
-    if run_clock is None or getattr(clock, "advance_to", None) is None:
+    if run_clock is None or getattr(clock, "move", None) is None:
         return 0
     if kv.window is not None or offload.busy():  # window tables slide every step: step()
         return 0
@@ -277,6 +278,15 @@ def _record_itls(
         itl += [gaps[k - 1]] * last
 
 
+def _first_poll(starts: list[float], poll_at: float, lo: int, k: int) -> int:
+    """The first step from ``lo`` (``k``: none before the run's end) whose start is at or
+    past ``poll_at``, the offload manager's `next_poll_at`: polls before it are no-ops, and
+    the margin only adds harmless early ones."""
+    if poll_at == math.inf:
+        return k
+    return bisect_left(starts, poll_at - 1e-9 * max(1.0, abs(poll_at)), lo, k)
+
+
 def _apply(
     engine: Engine,
     run: _Run,
@@ -331,25 +341,24 @@ def _apply(
     events.append((k, False, n))  # none at step k: the run's end
     gaps = list(map(sub, starts[1:], starts))  # what stepping records as each step's time
     idle = engine.sessions.idle  # what Engine.step polls with
-    jump = clock.advance_to  # type: ignore[attr-defined]
+    move = clock.move  # type: ignore[attr-defined]
     shown = starts[0]  # what the clock shows: nothing but the run may move it
-    # A poll before next_poll_at is a no-op; the margin only adds harmless early polls.
-    poll_at = offload.next_poll_at()
-    poll_at -= 1e-9 * max(1.0, abs(poll_at))
+    poll_j = _first_poll(starts, offload.next_poll_at(), 0, k)
     itl = stats.itl_s
     last_count = n - len(ending)  # the last step's tokens (ending sequences' are counted apart)
     recorded = 0  # steps whose inter-token latencies are in itl
-    e = 0  # events[e]: the next allocation or commit
-    looks = [*looks, k]
+    e = 0  # events[e]: the next allocation or commit, at step event_j
+    event_j = events[0][0]
+    looks.append(k)
     lk = 0  # looks[lk]: the next boundary to look at
-    j = 0
-    while True:  # as Engine.step at each step: poll, schedule (allocate), execute, commit
-        poll_j = bisect_left(starts, poll_at, j, k)  # the first step from j that polls
-        j = min(events[e][0], looks[lk], poll_j)
+    # As Engine.step at each step: poll, schedule (allocate), execute, commit. The steps
+    # visited: the next event's, look's or poll's (poll_j: the first step from here whose
+    # start is at or past poll_at; it moves only when a poll moves poll_at).
+    while True:
+        j = min(event_j, looks[lk], poll_j)
         if j >= k:
             break
-        assert clock.now() == shown, "the clock moved inside a decode run"
-        jump(starts[j])
+        move(shown, starts[j])
         shown = starts[j]
         if j == looks[lk]:  # the state after j steps, before step j polls and allocates
             assert lookout is not None
@@ -359,24 +368,21 @@ def _apply(
             lk += 1
         if j == poll_j:
             offload.poll(idle)
-            poll_at = offload.next_poll_at()
-            poll_at -= 1e-9 * max(1.0, abs(poll_at))
-        while events[e][0] == j:
+            poll_j = _first_poll(starts, offload.next_poll_at(), j + 1, k)
+        while event_j == j:
             _, is_commit, i = events[e]
             e += 1
+            event_j = events[e][0]
             traj = running[i].traj
             if not is_commit:
                 traj.allocate(positions[i] + j + 1 - traj.num_computed_tokens)
                 continue
             if shown != starts[j + 1]:  # commits come after the step's execution
-                assert clock.now() == shown, "the clock moved inside a decode run"
-                jump(starts[j + 1])
+                move(shown, starts[j + 1])
                 shown = starts[j + 1]
             traj.mark_computed(positions[i] + j + 1 - traj.num_computed_tokens)
             traj.commit()
-        j += 1
-    assert clock.now() == shown, "the clock moved inside a decode run"
-    jump(starts[k])
+    move(shown, starts[k])
     stats.step_time_s = reduce(add, gaps, stats.step_time_s)  # in order, as observe_step
     end_time = starts[k]
     # The ending sequences' last tokens are counted by end_decode_run below.

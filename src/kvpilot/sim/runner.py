@@ -30,8 +30,8 @@ _STREAM_MAX_STEPS = 1024  # draws made at once for one seed, unless more are ask
 
 
 def _step_offsets(steps: int) -> np.ndarray:
-    """``s * STEP`` for s = 0 .. steps-1 (int64)."""
-    return np.arange(steps, dtype=np.int64) * _STEP_MUL
+    """``s * STEP mod 2**32`` for s = 0 .. steps-1 (uint32)."""
+    return (np.arange(steps, dtype=np.uint64) * _STEP_MUL & _MASK).astype(np.uint32)
 
 
 _STEP_OFFSETS = _step_offsets(4096)
@@ -57,8 +57,10 @@ class SimulatedRunner:
     ) -> None:
         if num_blocks < 1:
             raise ConfigError(f"the simulated KV pool needs at least one block, got {num_blocks}")
-        if vocab_size < 2:
-            raise ConfigError("vocab_size must be >= 2")
+        if not 2 <= vocab_size <= 2**31:
+            raise ConfigError(
+                f"vocab_size must be in [2, 2**31] (int32 token ids), got {vocab_size}"
+            )
         self.cost = cost
         self.clock = clock
         self.num_blocks = num_blocks
@@ -75,6 +77,8 @@ class SimulatedRunner:
         self._last_run: tuple[Sequence[int], int] | None = None  # (positions, last step)
         self._high_water: dict[int, int] = {}
         self._streams: dict[int, TokenStream] = {}  # by seed: its draws made ahead
+        self._vocab_draws = np.uint32(vocab_size - 1)
+        self._one_draw = np.uint32(1)
 
     @property
     def last_shape(self) -> BatchShape:
@@ -185,12 +189,12 @@ class SimulatedRunner:
         if steps < _VECTOR_MIN_TOKENS:
             tokens = self.decode_run_tokens(seed, first_step, steps)
             return tokens, array("i", tokens)
-        start = (seed * _SEED_MUL + first_step * _STEP_MUL) & _MASK
+        start = np.uint32((seed * _SEED_MUL + first_step * _STEP_MUL) & _MASK)
         offsets = _STEP_OFFSETS[:steps] if steps <= len(_STEP_OFFSETS) else _step_offsets(steps)
-        draws = (offsets + start) & _MASK  # below 2**32 + steps * 2**32: exact in int64
-        draws %= self.vocab_size - 1
-        draws += 1
-        return draws.tolist(), array("i", draws.astype(np.int32).tobytes())
+        draws = offsets + start  # uint32 wraps: the masked sums, mod 2**32
+        np.remainder(draws, self._vocab_draws, out=draws)
+        draws += self._one_draw
+        return draws.tolist(), array("i", draws.view(np.int32).tobytes())  # all below 2**31
 
     def record_decode_run(
         self, seq_ids: Sequence[int], positions: Sequence[int], durations: Sequence[float]
