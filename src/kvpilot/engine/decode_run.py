@@ -219,13 +219,10 @@ def advance_decode_run(
         k -= 1
     if k < 2:
         return 0
-    stream = executor.decode_run_stream  # type: ignore[attr-defined]
-    streams: list[TokenStream] = [
-        stream(seq.seed, len(seq.output_token_ids), k, last)
-        for seq, last in zip(running, lasts, strict=True)
-    ]
     for i, stop in stopping:  # end before the step that samples a stop token
-        s, a = streams[i], len(running[i].output_token_ids)
+        seq = running[i]
+        a = len(seq.output_token_ids)
+        s = executor.decode_run_stream(seq.seed, a, k, lasts[i])  # type: ignore[attr-defined]
         sampled = s.tokens[a - s.first : a - s.first + k]
         k = next((j for j, token in enumerate(sampled) if token in stop), k)
     looks: list[int] = []
@@ -234,7 +231,7 @@ def advance_decode_run(
     if k < 2:
         return 0
     del durations[k:], starts[k + 1 :]
-    run = _Run(positions, firsts, lasts, durations, starts, streams)
+    run = _Run(positions, firsts, lasts, durations, starts)
     _apply(engine, run, finished, looks, lookout)
     return k
 
@@ -242,27 +239,20 @@ def advance_decode_run(
 class _Run(NamedTuple):
     """A planned run: per sequence its start position, first block-boundary step and the
     step count to its last token; the steps' durations and start times (``starts[k]``: the
-    end); per sequence the stream holding its tokens."""
+    end)."""
 
     positions: list[int]
     firsts: list[int]
     lasts: list[int]
     durations: list[float]
     starts: list[float]
-    streams: list[TokenStream]
 
 
-def _record_itls(
-    itl: list[float], running: list[Seq], run: _Run, gaps: list[float], a: int, b: int, last: int
-) -> None:
-    """Record the inter-token latencies of the run's steps ``a .. b-1`` (``gaps[j]``: step
-    ``j``'s; ``last``: how many tokens its final step counts), in step order, each step's
-    once per token it counts."""
-    if a == 0 and b > 0:
-        first = run.starts[1]
-        itl += [first - seq.last_token_time for seq in running]  # type: ignore[operator]
-        a = 1
-    k, n = len(gaps), len(running)
+def _record_itls(itl: list[float], n: int, gaps: list[float], a: int, b: int, last: int) -> None:
+    """Record the inter-token latencies of the run's steps ``a .. b-1``, ``a`` >= 1, of ``n``
+    sequences (``gaps[j]``: step ``j``'s; ``last``: how many tokens its final step counts),
+    in step order, each step's once per token it counts."""
+    k = len(gaps)
     full = min(b, k - 1)  # steps a .. full-1 count n tokens each
     if full > a:
         steps = gaps[a:full]
@@ -301,7 +291,7 @@ def _apply(
     Only the steps where something happens are visited (a look, an offload poll due, an
     allocation or a commit); the clock jumps to each one's start: ``starts`` are the sums the
     clock's own additions would give, so it shows the same times as stepping."""
-    positions, firsts, lasts, durations, starts, streams = run
+    positions, firsts, lasts, durations, starts = run
     k = len(durations)
     running = list(engine.scheduler.running)
     n = len(running)
@@ -312,6 +302,9 @@ def _apply(
     # (before the step executes), commits after.
     events: list[tuple[int, bool, int]] = []
     ending: list[tuple[Seq, int]] = []  # sequences whose last token step k-1 samples: it
+    stream = engine.executor.decode_run_stream  # type: ignore[attr-defined]
+    itl = stats.itl_s
+    first_end = starts[1]  # step 0's inter-token latencies are each sequence's own
     for i, seq in enumerate(running):
         traj = seq.traj
         p = positions[i]
@@ -327,15 +320,16 @@ def _apply(
                 if first < last and not _extends_in_place(traj):
                     events.append((first, True, i))
                 events.append((max(first, last), True, i))
-        stream = streams[i]
-        a = len(seq.output_token_ids) - stream.first
+        itl.append(first_end - seq.last_token_time)  # type: ignore[operator]
+        drawn = stream(seq.seed, len(seq.output_token_ids), k, lasts[i])
+        a = len(seq.output_token_ids) - drawn.first
         b = a + k
         if lasts[i] <= k:  # its last token is appended by end_decode_run, which finishes it
             b -= 1
-            ending.append((seq, stream.tokens[b]))
-        tokens = stream.tokens[a:b]
+            ending.append((seq, drawn.tokens[b]))
+        tokens = drawn.tokens[a:b]
         seq.output_token_ids += tokens
-        traj.append_tokens(tokens, stream.ids[a:b])
+        traj.append_tokens(tokens, drawn.ids[a:b])
     assert finished is not None or not ending, "a run finishes sequences only when asked"
     events.sort()
     events.append((k, False, n))  # none at step k: the run's end
@@ -344,9 +338,8 @@ def _apply(
     move = clock.move  # type: ignore[attr-defined]
     shown = starts[0]  # what the clock shows: nothing but the run may move it
     poll_j = _first_poll(starts, offload.next_poll_at(), 0, k)
-    itl = stats.itl_s
     last_count = n - len(ending)  # the last step's tokens (ending sequences' are counted apart)
-    recorded = 0  # steps whose inter-token latencies are in itl
+    recorded = 1  # steps whose inter-token latencies are in itl
     e = 0  # events[e]: the next allocation or commit, at step event_j
     event_j = events[0][0]
     looks.append(k)
@@ -362,7 +355,7 @@ def _apply(
         shown = starts[j]
         if j == looks[lk]:  # the state after j steps, before step j polls and allocates
             assert lookout is not None
-            _record_itls(itl, running, run, gaps, recorded, j, last_count)
+            _record_itls(itl, n, gaps, recorded, j, last_count)
             recorded = j
             lookout.look()
             lk += 1
@@ -386,7 +379,7 @@ def _apply(
     stats.step_time_s = reduce(add, gaps, stats.step_time_s)  # in order, as observe_step
     end_time = starts[k]
     # The ending sequences' last tokens are counted by end_decode_run below.
-    _record_itls(itl, running, run, gaps, recorded, k, last_count)
+    _record_itls(itl, n, gaps, recorded, k, last_count)
     observe = offload.observe_computed
     for i, seq in enumerate(running):
         traj = seq.traj
