@@ -8,6 +8,7 @@ tables, free list) must be identical.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -340,3 +341,24 @@ def test_a_run_leaves_finishing_a_request_without_session_to_step() -> None:
     finished: list[Any] = []
     assert advance_decode_run(engine, until=1e9, finished=finished) == 10
     assert not finished and engine.has_unfinished()
+
+
+def test_the_clock_moves_only_from_where_a_run_left_it() -> None:
+    from kvpilot.engine.clock import VirtualClock
+
+    clock = VirtualClock(1.0)
+    clock.move(1.0, 1.5)
+    assert clock.now() == 1.5
+    clock.advance(1e-9)  # something else moved it: the run's next jump must notice
+    with pytest.raises(AssertionError, match="clock moved inside a decode run"):
+        clock.move(1.5, 2.0)
+
+
+def test_a_run_visits_no_step_for_polls_when_none_is_due() -> None:
+    from kvpilot.engine.decode_run import _first_poll
+
+    starts = [0.0, 0.1, 0.2, 0.3, 0.4]
+    assert _first_poll(starts, math.inf, 0, 4) == 4  # nothing due: no step polls
+    assert _first_poll(starts, 0.2, 0, 4) == 2  # the step starting at the poll time polls
+    assert _first_poll(starts, 0.2, 3, 4) == 3  # one after another: from where it stands
+    assert _first_poll(starts, 9.0, 0, 4) == 4

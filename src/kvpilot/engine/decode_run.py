@@ -60,11 +60,10 @@ _DEVICE = Tier.DEVICE  # an enum member's class attribute lookup is slow on the 
 
 
 class TokenStream(NamedTuple):
-    """The tokens a sequence samples at generation steps ``first``, ``first + 1``, ...: as
-    plain ints (``tokens``) and as the same int32 ids (``ids``), as a trajectory takes them."""
+    """The tokens a sequence samples at generation steps ``first``, ``first + 1``, ...,
+    as int32 ids (kept as an array: no object per token until a run takes its slice)."""
 
     first: int
-    tokens: list[int]
     ids: array
 
 
@@ -215,15 +214,16 @@ def advance_decode_run(
     # Stay within the blocks free or evictable from the cache (allocating evicts, in the
     # same order as step() would).
     free = kv.free_blocks()
-    while k and _blocks_needed(k, firsts, block) > free:
-        k -= 1
+    if n * ((k - 1) // block + 1) > free:  # else even a block per sequence per B steps fits
+        while k and _blocks_needed(k, firsts, block) > free:
+            k -= 1
     if k < 2:
         return 0
     for i, stop in stopping:  # end before the step that samples a stop token
         seq = running[i]
         a = len(seq.output_token_ids)
         s = executor.decode_run_stream(seq.seed, a, k, lasts[i])  # type: ignore[attr-defined]
-        sampled = s.tokens[a - s.first : a - s.first + k]
+        sampled = s.ids[a - s.first : a - s.first + k]
         k = next((j for j, token in enumerate(sampled) if token in stop), k)
     looks: list[int] = []
     if lookout is not None and k >= 2:
@@ -326,10 +326,11 @@ def _apply(
         b = a + k
         if lasts[i] <= k:  # its last token is appended by end_decode_run, which finishes it
             b -= 1
-            ending.append((seq, drawn.tokens[b]))
-        tokens = drawn.tokens[a:b]
+            ending.append((seq, drawn.ids[b]))
+        ids = drawn.ids[a:b]
+        tokens = ids.tolist()
         seq.output_token_ids += tokens
-        traj.append_tokens(tokens, drawn.ids[a:b])
+        traj.append_tokens(tokens, ids)
     assert finished is not None or not ending, "a run finishes sequences only when asked"
     events.sort()
     events.append((k, False, n))  # none at step k: the run's end

@@ -175,26 +175,25 @@ class SimulatedRunner:
         stream = streams.get(seed)
         if stream is not None:
             offset = first_step - stream.first
-            if offset >= 0 and offset + steps <= len(stream.tokens):
+            if offset >= 0 and offset + steps <= len(stream.ids):
                 return stream
         draws = max(steps, min(ahead, _STREAM_MAX_STEPS))
-        stream = TokenStream(first_step, *self._draw(seed, first_step, draws))
+        stream = TokenStream(first_step, self._draw(seed, first_step, draws))
         if len(streams) >= _STREAM_SEEDS and seed not in streams:
             del streams[next(iter(streams))]
         streams[seed] = stream
         return stream
 
-    def _draw(self, seed: int, first_step: int, steps: int) -> tuple[list[int], array]:
-        """`decode_run_tokens`, and the same tokens as int32 (vectorised when it pays)."""
+    def _draw(self, seed: int, first_step: int, steps: int) -> array:
+        """`decode_run_tokens` as int32 ids (vectorised when it pays)."""
         if steps < _VECTOR_MIN_TOKENS:
-            tokens = self.decode_run_tokens(seed, first_step, steps)
-            return tokens, array("i", tokens)
+            return array("i", self.decode_run_tokens(seed, first_step, steps))
         start = np.uint32((seed * _SEED_MUL + first_step * _STEP_MUL) & _MASK)
         offsets = _STEP_OFFSETS[:steps] if steps <= len(_STEP_OFFSETS) else _step_offsets(steps)
         draws = offsets + start  # uint32 wraps: the masked sums, mod 2**32
         np.remainder(draws, self._vocab_draws, out=draws)
         draws += self._one_draw
-        return draws.tolist(), array("i", draws.view(np.int32).tobytes())  # all below 2**31
+        return array("i", draws.view(np.int32).tobytes())  # all below 2**31
 
     def record_decode_run(
         self, seq_ids: Sequence[int], positions: Sequence[int], durations: Sequence[float]
