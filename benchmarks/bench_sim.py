@@ -69,6 +69,7 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
         "engine: offload manager (poll, held bytes)",
         (
             "offload.py",
+            "idle_held.py",
             "pause_book.py",
             "pause_pricing.py",
             "pause_timers.py",
@@ -117,7 +118,16 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("sim: SimulatedRunner.execute", ("runner.py", "cost_model.py")),
     (
         "sim: event loop, drivers, workload",
-        ("simulator.py", "drivers.py", "workload.py", "distributions.py", "report.py"),
+        (
+            "simulator.py",
+            "telemetry.py",
+            "drivers.py",
+            "trajectories.py",
+            "arrivals.py",
+            "workload.py",
+            "distributions.py",
+            "report.py",
+        ),
     ),
 )
 
