@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from kvpilot.engine import pause_pricing as pricing
 from kvpilot.engine.config import PauseConfig
 from kvpilot.engine.executor import TierTransport
+from kvpilot.engine.idle_held import IdleHeld
 from kvpilot.engine.pause_book import PauseBook
 from kvpilot.engine.pause_timers import PauseTimers
 from kvpilot.engine.tier_mover import TierMover
@@ -80,6 +81,9 @@ class OffloadManager:
         self.records = PauseBook()
         self.high_water: dict[int, int] = {}  # traj_id -> most tokens ever computed
         self.timers = PauseTimers()
+        # The idle sessions and the device blocks each holds (the session table reports
+        # every turn's start and end): what the idle memory-time sample sums.
+        self.idle_held = IdleHeld()
         self._held_sample = (clock(), 0)
 
     # -- figures --------------------------------------------------------------------------
@@ -313,13 +317,25 @@ class OffloadManager:
             wait(threads, timeout=timeout_s, return_when=FIRST_COMPLETED)
         return bool(threads)
 
-    def poll(self, idle: Callable[[], Seq[PausableSession]]) -> None:
-        """Finish transfers that are done, fire due timers, account idle memory-time."""
+    def session_idle(self, session: PausableSession) -> None:
+        """``session`` is between turns: opened, forked, or its turn ended."""
+        self.idle_held.idle(session)
+
+    def session_busy(self, session: PausableSession) -> None:
+        """``session`` started a turn."""
+        self.idle_held.busy(session.session_id)
+
+    def poll(self, idle: Callable[[], Seq[PausableSession]] | None = None) -> None:
+        """Finish transfers that are done, fire due timers, account idle memory-time.
+
+        ``idle`` (the session table's idle sessions) is not read: the sample sums the
+        figures `idle_held` keeps, equal to walking every idle session's path."""
+        del idle
         now = self.now()
         when, held = self._held_sample
         if now - when >= IDLE_SAMPLE_S and (self.mover.transport is not None or self.records):
             self.stats.idle_gb_s += held * (now - when) / 1e9
-            held = sum([pricing.held_blocks(s.traj) for s in idle()]) * self.block_bytes
+            held = self.idle_held.blocks() * self.block_bytes
             self._held_sample = (now, held)
         if self.mover.busy():
             self._finish_loads()
@@ -418,6 +434,7 @@ class OffloadManager:
         return when
 
     def forget(self, session: PausableSession) -> None:
+        self.idle_held.busy(session.session_id)
         self.timers.cancel(session.session_id)
         self.records.pop(session.session_id)
         self.mover.forget(session.traj)
@@ -435,8 +452,11 @@ class OffloadManager:
         pin and move lock to a move or load in flight."""
         self.timers.check_invariants()
         self.mover.check_invariants()
+        self.idle_held.check_invariants()
         stale = set(self.records) - set(open_sessions)
         require(not stale, f"pause records of sessions that are not open: {sorted(stale)[:5]}")
+        gone = set(self.idle_held) - set(open_sessions)
+        require(not gone, f"idle figures of sessions that are not open: {sorted(gone)[:5]}")
         orphans = self.timers.sessions() - set(self.records)
         require(not orphans, f"timers of sessions without a pause record: {sorted(orphans)[:5]}")
         self.records.check_invariants()

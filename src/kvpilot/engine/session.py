@@ -193,6 +193,7 @@ class SessionTable(Mapping[str, Session]):
 
     def _add(self, session: Session) -> Session:
         self._sessions[session.session_id] = session
+        self.offload.session_idle(session)
         return session
 
     def fork(self, session: Session, n: int = 1) -> list[Session]:
@@ -263,6 +264,7 @@ class SessionTable(Mapping[str, Session]):
             self.offload.on_resume(session)
         session.traj.append_tokens(tokens, ids)
         session.active_request = request.request_id
+        self.offload.session_busy(session)
         session.turns += 1
         return session.traj
 
@@ -274,6 +276,7 @@ class SessionTable(Mapping[str, Session]):
         session.active_request = None
         session.last_used = self.now()
         session.last_output = output
+        self.offload.session_idle(session)
         if request.pause_hint is not None and not request.aborted:
             self.pause(session, *request.pause_hint)
 
@@ -297,6 +300,10 @@ class SessionTable(Mapping[str, Session]):
             require(not session.closed, f"closed session {sid} is still in the table")
             traj = session.traj
             require(not traj.closed, f"session {sid} holds a closed trajectory")
+            require(
+                (sid in self.offload.idle_held) == (session.active_request is None),
+                f"session {sid}: the offload manager's idle sessions disagree with its turn",
+            )
             require(
                 self.kv.trajectories.get(traj.traj_id) is traj,
                 f"session {sid}'s trajectory is not registered with the KV manager",
