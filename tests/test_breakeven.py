@@ -180,6 +180,24 @@ def test_negative_wait_is_a_config_error() -> None:
         with_(expected_wait_s=-1.0)
 
 
+@pytest.mark.parametrize(
+    "field",
+    [
+        "kv_bytes",
+        "num_tokens",
+        "expected_wait_s",
+        "device_host_bw_bytes_s",
+        "host_disk_bw_bytes_s",
+        "host_free_bytes",
+        "stall_tolerance_s",
+        "device_used_bytes",
+    ],
+)
+def test_every_negative_figure_is_a_config_error_naming_it(field: str) -> None:
+    with pytest.raises(ConfigError, match=f"{field} must not be negative"):
+        with_(**{field: -1})
+
+
 pause_inputs = st.builds(
     PauseInputs,
     kv_bytes=st.one_of(st.just(0.0), st.floats(1e6, 1e11)),  # 0: a pause holding no KV

@@ -50,6 +50,9 @@ class PausableSession(Protocol):
 
 
 DEFAULT_PREFILL_TOKENS_PER_S = 2_000.0
+# Module constants: an enum member's class attribute lookup is slow, and every pause reads these.
+DEVICE = Tier.DEVICE
+RETAIN, RETAINED = PauseAction.RETAIN, PauseState.RETAINED
 IDLE_SAMPLE_S = 1.0  # how often idle memory-time is re-measured (clock seconds)
 
 
@@ -107,7 +110,7 @@ class OffloadManager:
     def exclusive_device_nodes(self, traj: Trajectory) -> list[RadixNode]:
         """The device-resident part of the trajectory's path only it holds, deepest first."""
         nodes = self.kv.residency.exclusive_nodes(traj)
-        return [n for n in nodes if Tier.DEVICE in n.blocks]
+        return [n for n in nodes if DEVICE in n.blocks]
 
     def held_bytes(self, traj: Trajectory) -> int:
         return pricing.held_blocks(traj) * self.block_bytes
@@ -138,7 +141,7 @@ class OffloadManager:
             self.policy.decide(inputs), self.mover.link_bw(), self.mover.disk_bw()
         )
         now = self.now()
-        lease = self.policy.lease_s(inputs) if decision.action is PauseAction.RETAIN else 0.0
+        lease = self.policy.lease_s(inputs) if decision.action is RETAIN else 0.0
         record = PauseRecord(
             session_id=session.session_id,
             decision=decision,
@@ -148,7 +151,7 @@ class OffloadManager:
             paused_at=now,
             expected_return=now + wait,
             lease_until=now + lease,
-            state=PauseState.RETAINED,
+            state=RETAINED,
         )
         self.records.file(record)
         self.stats.decisions[str(decision.action)] += 1
@@ -166,8 +169,9 @@ class OffloadManager:
         blocks = sum(n.num_blocks for n in nodes) + traj.num_private_blocks
         host = mover.host_pool if mover.has_host else None
         host_free, host_pressure = pricing.host_room_of(host, self.radix, bb, records)
+        kv_bytes = float(blocks * bb)
         return PauseInputs(
-            kv_bytes=float(blocks * self.block_bytes),
+            kv_bytes=kv_bytes,
             num_tokens=max(tokens, 0),
             expected_wait_s=wait,
             device_host_bw_bytes_s=mover.device_link_bw(),
@@ -176,12 +180,12 @@ class OffloadManager:
                 len(traj.tokens), DEFAULT_PREFILL_TOKENS_PER_S
             ),
             device_pressure=pricing.pressure_on(
-                self.pressure(), records, self.now(), float(blocks * self.block_bytes), wait
+                self.pressure(), records, self.now(), kv_bytes, wait
             ),
             host_pressure=host_pressure,
             host_free_bytes=float(host_free),
             device_used_bytes=pricing.working_bytes(
-                self.kv.device.num_used * bb, self.radix.evictable_blocks(Tier.DEVICE) * bb, records
+                self.kv.device.num_used * bb, self.radix.evictable_blocks(DEVICE) * bb, records
             ),
             tool=tool,
             tool_waits=tuple(self.waits.by_tool.get(tool, ())) if tool else (),
@@ -190,7 +194,7 @@ class OffloadManager:
     def _apply(self, session: PausableSession, record: PauseRecord, nodes: list[RadixNode]) -> None:
         traj = session.traj
         action = record.action
-        if action is PauseAction.RETAIN:
+        if action is RETAIN:
             if math.isfinite(record.lease_until):
                 expire = lambda: self._expire(session)  # noqa: E731
                 self.timers.at(record.lease_until, session.session_id, expire)

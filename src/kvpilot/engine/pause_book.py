@@ -23,6 +23,8 @@ from kvpilot.engine.tier_stats import PauseRecord, PauseState
 from kvpilot.errors import require
 from kvpilot.policy.breakeven import PauseAction, PauseDecision
 
+RETAINED = PauseState.RETAINED  # a module constant: an enum member's class attribute lookup is slow
+
 
 class PauseBook(Mapping[str, PauseRecord]):
     """Pause records by session id (a read-only mapping, oldest pause first)."""
@@ -89,10 +91,10 @@ class PauseBook(Mapping[str, PauseRecord]):
         paused_at)``, which only grows with age, so the walk stops at the first record
         paused longer ago than that allows."""
         sooner = 0.0
-        for record in reversed(self._records.values()):
+        for record in reversed(self._records.values()):  # hot path: every pause
             if now + (now - record.paused_at) > back:
                 break
-            if record.state is PauseState.RETAINED and record.expected_return <= back:
+            if record.state is RETAINED and record.expected_return <= back:
                 sooner += record.inputs.kv_bytes
         return sooner
 

@@ -15,6 +15,11 @@ from kvpilot.engine.tier_stats import PauseRecord, PauseState
 from kvpilot.memory import Tier, Trajectory
 from kvpilot.policy.breakeven import PauseAction, PauseDecision
 
+# Module constants: an enum member's class attribute lookup is slow, and every pause reads these.
+DEVICE, HOST = Tier.DEVICE, Tier.HOST
+RETAINED, PREFETCHED, OFFLOADED = PauseState.RETAINED, PauseState.PREFETCHED, PauseState.OFFLOADED
+OFFLOAD_HOST, OFFLOAD_DISK = PauseAction.OFFLOAD_HOST, PauseAction.OFFLOAD_DISK
+
 
 def held_blocks(traj: Trajectory) -> int:
     """Device blocks only ``traj`` holds: its private tail and the device copies of the
@@ -23,7 +28,7 @@ def held_blocks(traj: Trajectory) -> int:
     node = traj.locked_node
     blocks = traj.num_private_blocks
     while node.depth_tokens and node.lock_count == 1:  # depth 0: the root
-        device = node.blocks.get(Tier.DEVICE)
+        device = node.blocks.get(DEVICE)
         if device is not None:
             blocks += len(device)
         node = node.parent  # type: ignore[assignment]  # only the root has none
@@ -45,7 +50,7 @@ def pressure_on(
     no pressure itself; the one back last feels it all."""
     pressure = min(1.0, max(0.0, pressure))
     sooner = book.retained_back_by(now + wait, now)
-    later = book.bytes_in(PauseState.RETAINED) - sooner
+    later = book.bytes_in(RETAINED) - sooner
     if later == 0.0:
         return pressure
     return pressure * (sooner + kv_bytes) / (sooner + later + kv_bytes)
@@ -54,7 +59,7 @@ def pressure_on(
 def working_bytes(used: float, evictable: float, book: PauseBook) -> float:
     """Device bytes of the work a recompute would stall: what is in use, less the prefix
     cache (evictable) and less the state idle sessions hold (they compute nothing)."""
-    idle = book.bytes_in(PauseState.RETAINED) + book.bytes_in(PauseState.PREFETCHED)
+    idle = book.bytes_in(RETAINED) + book.bytes_in(PREFETCHED)
     return max(0.0, used - evictable - idle)
 
 
@@ -64,7 +69,7 @@ def host_room(
     """(free bytes, pressure) of the host tier. Host room is what LRU may evict, less what
     paused sessions offloaded there and will want back: those bytes are held, not cache
     (`host.usage` counts both)."""
-    awaited = book.bytes_in(PauseState.OFFLOADED, PauseAction.OFFLOAD_HOST)
+    awaited = book.bytes_in(OFFLOADED, OFFLOAD_HOST)
     free = max(0.0, free_or_evictable_bytes - awaited)
     return free, min(1.0, max(0.0, 1.0 - free / max(capacity_bytes, 1.0)))
 
@@ -73,16 +78,16 @@ def host_room_of(pool: Any, radix: Any, block_bytes: int, book: PauseBook) -> tu
     """`host_room` of a host block pool (None: no host tier, no room, full pressure)."""
     if pool is None:
         return 0.0, 1.0
-    free = (pool.num_free + radix.evictable_blocks(Tier.HOST)) * block_bytes
+    free = (pool.num_free + radix.evictable_blocks(HOST)) * block_bytes
     return host_room(free, pool.num_blocks * block_bytes, book)
 
 
 def feasible(decision: PauseDecision, host_bw: float, disk_bw: float) -> PauseDecision:
     """A fixed policy may ask for a tier this engine lacks: fall back to drop, and say so."""
     action = decision.action
-    if action is PauseAction.OFFLOAD_HOST and host_bw == 0.0:
+    if action is OFFLOAD_HOST and host_bw == 0.0:
         why = "no host tier is configured"
-    elif action is PauseAction.OFFLOAD_DISK and disk_bw == 0.0:
+    elif action is OFFLOAD_DISK and disk_bw == 0.0:
         why = "no disk tier is configured"
     else:
         return decision

@@ -68,6 +68,11 @@ _LABELS = {
 }
 
 
+# Module constants: an enum member's class attribute lookup is slow, and every pause decides.
+_RETAIN, _DROP = PauseAction.RETAIN, PauseAction.DROP
+_HOST, _DISK = PauseAction.OFFLOAD_HOST, PauseAction.OFFLOAD_DISK
+
+
 def action_label(action: str) -> str:
     """A recorded action's words in lower case ("offload to host"); unknown names as given."""
     try:
@@ -150,6 +155,37 @@ class PauseInputs:
     tool_waits: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
+        # The engine builds one per pause: one chain of comparisons, in the order of the
+        # checks that name what is wrong (`_check_figures`, run only when one fails).
+        if (
+            self.kv_bytes < 0
+            or self.num_tokens < 0
+            or self.expected_wait_s < 0
+            or self.device_host_bw_bytes_s < 0
+            or self.host_disk_bw_bytes_s < 0
+            or self.host_free_bytes < 0
+            or self.stall_tolerance_s < 0
+            or self.device_used_bytes < 0
+            or not 0.0 <= self.device_pressure <= 1.0
+            or not 0.0 <= self.host_pressure <= 1.0
+        ):
+            self._check_figures()
+        rate = self.prefill_tokens_per_s
+        if rate is not None and rate > 0:
+            return
+        has_flops = (
+            self.num_params is not None
+            and self.num_params > 0
+            and self.prefill_flops_per_s is not None
+            and self.prefill_flops_per_s > 0
+        )
+        if not has_flops:
+            raise ConfigError(
+                "pause inputs: give a positive prefill_tokens_per_s, or num_params together "
+                "with prefill_flops_per_s"
+            )
+
+    def _check_figures(self) -> None:
         for name in (
             "kv_bytes",
             "num_tokens",
@@ -165,18 +201,6 @@ class PauseInputs:
         for name in ("device_pressure", "host_pressure"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ConfigError(f"pause inputs: {name} must be in [0, 1]")
-        has_rate = self.prefill_tokens_per_s is not None and self.prefill_tokens_per_s > 0
-        has_flops = (
-            self.num_params is not None
-            and self.num_params > 0
-            and self.prefill_flops_per_s is not None
-            and self.prefill_flops_per_s > 0
-        )
-        if not (has_rate or has_flops):
-            raise ConfigError(
-                "pause inputs: give a positive prefill_tokens_per_s, or num_params together "
-                "with prefill_flops_per_s"
-            )
 
     @property
     def recompute_s(self) -> float:
@@ -275,14 +299,14 @@ def _figures(inputs: PauseInputs, thresholds: PauseThresholds) -> _Figures:
     host_pressed = inputs.host_pressure >= thresholds.host_pressure_high
     disk_ok = disk_negligible or not thresholds.disk_only_when_negligible
     if disk_exists and ((not host_room and disk_ok) or (host_pressed and disk_negligible)):
-        via, tier_reload, mu_tier = PauseAction.OFFLOAD_DISK, disk_reload_s, 0.0
+        via, tier_reload, mu_tier = _DISK, disk_reload_s, 0.0
     elif host_room:
-        via, tier_reload, mu_tier = PauseAction.OFFLOAD_HOST, reload_s, inputs.host_pressure
+        via, tier_reload, mu_tier = _HOST, reload_s, inputs.host_pressure
     else:
-        via, tier_reload, mu_tier = PauseAction.DROP, math.inf, 0.0
+        via, tier_reload, mu_tier = _DROP, math.inf, 0.0
     if recompute_cost < tier_reload:
-        via, mu_tier = PauseAction.DROP, 0.0
-    way_out_rt = recompute_cost if via is PauseAction.DROP else 2 * tier_reload
+        via, mu_tier = _DROP, 0.0
+    way_out_rt = recompute_cost if via is _DROP else 2 * tier_reload
     t_star = _break_even(way_out_rt, inputs.device_pressure, mu_tier, inputs.stall_tolerance_s)
     return _Figures(
         reload_s,
@@ -330,7 +354,7 @@ def _rule(
     recompute_s, disk_reload_s = f.recompute_s, f.disk_reload_s
     size, s = (format_bytes(m) if words else ""), format_seconds
     if inputs.device_pressure < thresholds.device_plentiful_below:
-        return PauseAction.RETAIN, (
+        return _RETAIN, (
             f"Retain: device memory is plentiful (pressure {inputs.device_pressure:.2f}, under "
             f"{thresholds.device_plentiful_below:.2f}), so holding {size} for {s(wait)} costs "
             "nobody anything."
@@ -339,7 +363,7 @@ def _rule(
         )
     if wait <= way_out_rt:
         if not words:
-            return PauseAction.RETAIN, ""
+            return _RETAIN, ""
         way_out = {
             PauseAction.OFFLOAD_HOST: f"the {s(way_out_rt)} host round trip",
             PauseAction.OFFLOAD_DISK: f"the {s(way_out_rt)} disk round trip",
@@ -352,7 +376,7 @@ def _rule(
         )
     if wait <= t_star:
         if not words:
-            return PauseAction.RETAIN, ""
+            return _RETAIN, ""
         if math.isinf(t_star):
             why = (
                 f"host memory is as contended as device memory ({mu_tier:.2f} against "
@@ -367,8 +391,8 @@ def _rule(
             f"would go), so holding {size} costs less than moving it."
         )
     if not words:
-        if via is PauseAction.DROP and thresholds.defer_drop:
-            return PauseAction.RETAIN, ""
+        if via is _DROP and thresholds.defer_drop:
+            return _RETAIN, ""
         return via, ""
     past = f"the {s(wait)} wait is past the {s(t_star)} break-even"
     if not math.isclose(t_star, way_out_rt, rel_tol=0.05):
