@@ -53,6 +53,8 @@ DEFAULT_PREFILL_TOKENS_PER_S = 2_000.0
 # Module constants: an enum member's class attribute lookup is slow, and every pause reads these.
 DEVICE = Tier.DEVICE
 RETAIN, RETAINED = PauseAction.RETAIN, PauseState.RETAINED
+HOST, DISK = Tier.HOST, Tier.DISK
+OFFLOADS = (PauseAction.OFFLOAD_HOST, PauseAction.OFFLOAD_DISK)
 IDLE_SAMPLE_S = 1.0  # how often idle memory-time is re-measured (clock seconds)
 
 
@@ -263,7 +265,7 @@ class OffloadManager:
             self.stats.recomputed_tokens += lost
         if seq.index == 0 and not seq.output_token_ids and seq.num_preemptions == 0:
             loaded = self.mover.take_loaded(traj)
-            seq.request.set_cached_by_tier(loaded[Tier.HOST], loaded[Tier.DISK])
+            seq.request.set_cached_by_tier(loaded[HOST], loaded[DISK])
 
     def observe_computed(self, traj: Trajectory) -> None:
         """The step loop computed KV for ``traj`` (its high-water mark, for recompute counts)."""
@@ -289,7 +291,7 @@ class OffloadManager:
         if record is None:
             return
         self.waits.observe(record.tool, self.now() - record.paused_at)
-        if record.action in (PauseAction.OFFLOAD_HOST, PauseAction.OFFLOAD_DISK):
+        if record.action in OFFLOADS:
             job = self.mover.load_of(session.traj)
             if record.state is PauseState.PREFETCHED and job is None:
                 self.stats.prefetch_hits += 1

@@ -45,6 +45,16 @@ class PauseBook(Mapping[str, PauseRecord]):
     def __len__(self) -> int:
         return len(self._records)
 
+    # The dict's own lookups: `Mapping`'s generic ones go through __getitem__ and KeyError,
+    # and every turn's start and end asks for its session's record.
+    def __contains__(self, session_id: object) -> bool:
+        return session_id in self._records
+
+    def get(  # type: ignore[override]  # Mapping.get's overloads say the same
+        self, session_id: str, default: PauseRecord | None = None
+    ) -> PauseRecord | None:
+        return self._records.get(session_id, default)
+
     # -- changes --------------------------------------------------------------------------
 
     def file(self, record: PauseRecord) -> None:
