@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from operator import attrgetter
 from typing import TYPE_CHECKING, NamedTuple
 
 from kvpilot.memory import Tier
@@ -163,19 +162,15 @@ class LoadGauges(NamedTuple):
     resident_trajectories: int
 
 
-_block_table = attrgetter("block_table")
-
-
 def load_gauges(kv: KVManager, scheduler: Scheduler) -> LoadGauges:
     """`LoadGauges` now, without the rest of a snapshot's cost (one pass over the open
-    trajectories, in C: the simulator samples these every interval)."""
-    tables = map(_block_table, kv.trajectories.values())
+    trajectories)."""
     return LoadGauges(
         kv_usage=kv.device.usage,
         kv_held=scheduler.held_usage(),
         running=len(scheduler.running),
         waiting=len(scheduler.waiting),
-        resident_trajectories=sum(map(bool, tables)),  # those holding blocks
+        resident_trajectories=len([t for t in kv.trajectories.values() if t.block_table]),
     )
 
 
