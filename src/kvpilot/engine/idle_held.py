@@ -28,14 +28,19 @@ trajectory releasing, rewinding or reloading its KV) breaks one of the three che
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from kvpilot.engine.pause_pricing import held_blocks
 from kvpilot.errors import require
 from kvpilot.memory import RadixNode, Tier, Trajectory
 
-if TYPE_CHECKING:
-    from kvpilot.engine.offload import PausableSession
+
+class IdleSession(Protocol):
+    """What the tally reads of an idle session (`kvpilot.engine.session.Session`)."""
+
+    session_id: str
+    traj: Trajectory
+
 
 DEVICE = Tier.DEVICE  # a module constant: an enum member's class attribute lookup is slow
 
@@ -98,7 +103,7 @@ class IdleHeld:
     def __iter__(self) -> Iterator[str]:
         return iter(self._held)
 
-    def idle(self, session: PausableSession) -> None:
+    def idle(self, session: IdleSession) -> None:
         """``session`` is between turns (opened, forked, or its turn ended)."""
         self._held[session.session_id] = _Held(session.traj)
 
