@@ -469,7 +469,7 @@ def test_a_steps_token_counts_add_up_its_scheduled_work(
         for s, w in zip(items, out.works, strict=True):
             traj = s.seq.traj
             assert w.seq_id == s.seq.seq_id and w.start_pos == traj.num_computed_tokens
-            assert list(w.token_ids) == traj.tokens[w.start_pos : w.start_pos + s.num_tokens]
+            assert w.token_ids == traj.tokens[w.start_pos : w.start_pos + s.num_tokens]
             # Chunks in batch order, each `_chunk_of` what is left of the budget.
             chunk = engine.scheduler._chunk_of(len(traj.tokens) - w.start_pos, left)
             assert s.num_tokens == chunk

@@ -42,7 +42,7 @@ def test_open_trajectory_registers_and_close_deregisters() -> None:
     mgr = make_manager()
     a = mgr.open_trajectory("t", [1, 2, 3])
     b = mgr.open_trajectory()
-    assert a.traj_id != b.traj_id and a.salt == "t" and a.tokens == [1, 2, 3]
+    assert a.traj_id != b.traj_id and a.salt == "t" and a.tokens.tolist() == [1, 2, 3]
     assert mgr.trajectories == {a.traj_id: a, b.traj_id: b}
     a.close()
     assert mgr.trajectories == {b.traj_id: b}

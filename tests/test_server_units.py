@@ -4,13 +4,21 @@ from __future__ import annotations
 
 import asyncio
 import json
+from array import array
 from pathlib import Path
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvpilot.engine import CompletionOutput, Engine, EngineConfig, RequestOutput, SamplingParams
+from kvpilot.engine import (
+    CompletionOutput,
+    Engine,
+    EngineConfig,
+    PromptIds,
+    RequestOutput,
+    SamplingParams,
+)
 from kvpilot.errors import ConfigError, PromptTooLong
 from kvpilot.server.async_engine import AsyncEngine, EngineFault
 from kvpilot.server.limits import ServerLimits, resolve_max_tokens
@@ -164,7 +172,7 @@ def test_a_batch_of_several_prompts_is_refused() -> None:
 def _snapshot(text: str, reason: str | None = None) -> RequestOutput:
     return RequestOutput(
         request_id="r",
-        prompt_token_ids=(),
+        prompt_ids=PromptIds(array("i")),
         prompt_tokens=0,
         cached_tokens=0,
         cached_tokens_by_tier={"device": 0, "host": 0, "disk": 0},

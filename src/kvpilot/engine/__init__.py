@@ -10,7 +10,7 @@ from kvpilot.engine.config import (
 )
 from kvpilot.engine.engine import Engine
 from kvpilot.engine.executor import Executor, SeqWork, StepOutput
-from kvpilot.engine.request import CompletionOutput, RequestOutput
+from kvpilot.engine.request import CompletionOutput, PromptIds, RequestOutput
 from kvpilot.engine.sampling import SamplingParams
 from kvpilot.engine.session import Session
 from kvpilot.engine.stats import EngineStats
@@ -23,6 +23,7 @@ __all__ = [
     "EngineStats",
     "Executor",
     "PauseConfig",
+    "PromptIds",
     "RequestOutput",
     "RunnerConfig",
     "SamplingParams",

@@ -24,6 +24,7 @@ from kvpilot.engine.idle_skip import IDLE_STEP_S, IdleSkipper
 from kvpilot.engine.offload import OffloadManager
 from kvpilot.engine.outputs import as_prompt_list, snapshot, stop_reason
 from kvpilot.engine.request import (
+    PromptIds,
     Request,
     RequestLimits,
     RequestOutput,
@@ -176,7 +177,7 @@ class Engine:
             self.sessions.check_turn(session, params)
             salt = session.salt
         history = len(session.traj.tokens) if session is not None else 0
-        tokens, ids = self.limits.prompt_ids(  # ids: int32, what the trajectory holds
+        ids = self.limits.prompt_ids(  # int32: what the trajectory and the request hold
             self.tokenizer, prompt, history, add_special_tokens=history == 0
         )
         rid = request_id or f"req-{next(self._request_ids)}"
@@ -186,7 +187,7 @@ class Engine:
         seed = params.seed if params.seed is not None else self._rng.getrandbits(31)
         request = Request(
             request_id=rid,
-            prompt_token_ids=tuple(tokens),
+            prompt_ids=PromptIds(ids),
             params=params,
             arrival_time=self.clock.now(),
             seed=seed,
@@ -196,10 +197,10 @@ class Engine:
             pause_hint=hint,
         )
         if session is not None:
-            traj = self.sessions.begin_turn(session, request, tokens, ids)
+            traj = self.sessions.begin_turn(session, request, ids)
         else:
             traj = self.kv.open_trajectory(salt=salt)
-            traj.append_tokens(tokens, ids)
+            traj.append_tokens(ids)
         seq = Sequence(next(self._seq_ids), request, traj, index=0, seed=seed)
         request.seqs.append(seq)
         self.requests[rid] = request

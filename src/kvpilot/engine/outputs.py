@@ -47,10 +47,10 @@ def snapshot(request: Request, tokenizer: Any) -> RequestOutput:
         first = min(firsts) if firsts else None
         done = max(finishes) if finishes else None
     finished = request.finished
-    prompt = request.prompt_token_ids
+    prompt = request.prompt_ids
     return RequestOutput(
         request.request_id,
-        tuple(prompt),  # the request's own tuple (tuple() of a tuple returns it): no copy
+        prompt,  # the request's own: its ids become ints only if someone reads them
         request.history_tokens + len(prompt),
         request.cached_tokens,
         dict(request.cached_by_tier),

@@ -30,6 +30,34 @@ _NO_HITS = dict.fromkeys(Tier, 0)  # prefix hit tokens by tier, before admission
 _MAX = np.maximum.reduce  # ndarray.max without its Python wrapper
 
 
+class PromptIds:
+    """A request's prompt: the int32 ids it was checked into (and its trajectory holds), and
+    the same as a tuple of ints, made on the first `as_tuple` and kept.
+
+    The request and every snapshot of it share one of these, so a caller that reads the
+    ids converts them once, and one that never does (the simulator, which turns millions of
+    prompt ids per simulated hour) never makes a Python int per token.
+    """
+
+    __slots__ = ("_tuple", "ids")
+
+    def __init__(self, ids: array) -> None:
+        self.ids = ids  # int32; nobody changes it after the check
+        self._tuple: tuple[int, ...] | None = None
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def as_tuple(self) -> tuple[int, ...]:
+        ids = self._tuple
+        if ids is None:
+            ids = self._tuple = tuple(self.ids)
+        return ids
+
+    def __repr__(self) -> str:
+        return f"PromptIds({len(self.ids)} ids)"
+
+
 class SeqStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -71,7 +99,7 @@ class Sequence:
 @dataclass(eq=False, slots=True)
 class Request:
     request_id: str
-    prompt_token_ids: tuple[int, ...]  # a tuple, so that every snapshot shares it uncopied
+    prompt_ids: PromptIds  # shared uncopied by every snapshot
     params: SamplingParams
     arrival_time: float
     seed: int
@@ -86,6 +114,11 @@ class Request:
     pause_hint: PauseHint | None = None  # pause when the turn ends
     cached_by_tier: dict[Tier, int] = field(default_factory=_NO_HITS.copy)
     released: bool = False  # finished and filed: its sequences are let go (`release`)
+
+    @property
+    def prompt_token_ids(self) -> tuple[int, ...]:
+        """The prompt as ints (converted on the first read; `PromptIds`)."""
+        return self.prompt_ids.as_tuple()
 
     def set_cached_by_tier(self, host_tokens: int, disk_tokens: int) -> None:
         """Split the prefix hit by the tier it came from (loads of host and disk blocks)."""
@@ -132,7 +165,7 @@ class RequestOutput:
     """A snapshot of a request: what it has produced so far, and whether it is done."""
 
     request_id: str
-    prompt_token_ids: tuple[int, ...]
+    prompt_ids: PromptIds  # the request's own; read the ids as `prompt_token_ids`
     prompt_tokens: (
         int  # tokens prefilled or reused for this call (history + prompt for a session turn)
     )
@@ -144,6 +177,12 @@ class RequestOutput:
     first_token_time: float | None
     finish_time: float | None
     session_id: str | None = None
+
+    @property
+    def prompt_token_ids(self) -> tuple[int, ...]:
+        """The prompt as a tuple of ints, made on the first read of any snapshot of this
+        request and shared by all of them."""
+        return self.prompt_ids.as_tuple()
 
     @property
     def generated_tokens(self) -> int:
@@ -220,20 +259,19 @@ class RequestLimits:
 
     def prompt_ids(
         self, tokenizer: Any, prompt: str | Seq[int], history: int, *, add_special_tokens: bool
-    ) -> tuple[list[int], array]:
-        """`encode_prompt` then `check_prompt`: the prompt's token ids and the same as int32,
-        or the same errors. A prompt of ids that fits int32 (`int32_prompt`) is converted
-        once, not three times (a simulated hour converts millions of ids)."""
+    ) -> array:
+        """`encode_prompt` then `check_prompt`: the prompt's token ids as int32, or the same
+        errors. A prompt of ids that fits int32 (`int32_prompt`) is copied once in C and
+        never turned into Python ints (a simulated hour converts millions of ids)."""
         ids = int32_prompt(prompt)
         if ids is None:
             tokens = encode_prompt(tokenizer, prompt, add_special_tokens=add_special_tokens)
-            return tokens, self.check_prompt(tokens, history)
-        tokens = ids.tolist()
-        if not tokens:
+            return self.check_prompt(tokens, history)
+        if not ids:
             raise InvalidRequest("the prompt is empty")
-        self._check_vocabulary(tokens, ids)
-        self.check_fits(history + len(tokens), history)
-        return tokens, ids
+        self._check_vocabulary(ids, ids)
+        self.check_fits(history + len(ids), history)
+        return ids
 
     def validate_tokens(self, tokens: list[int]) -> array:
         """``tokens`` (not empty) as int32 ids, converted in one pass; InvalidRequest unless
@@ -246,7 +284,7 @@ class RequestLimits:
         assert ids is not None  # refused above: ids outside int32 are outside any vocabulary
         return ids
 
-    def _check_vocabulary(self, tokens: list[int], ids: array | None) -> None:
+    def _check_vocabulary(self, tokens: Seq[int], ids: array | None) -> None:
         """InvalidRequest unless ``ids`` (``tokens`` as int32; None: they do not fit) are all
         in the model's vocabulary."""
         limit = self.vocab_size

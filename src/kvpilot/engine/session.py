@@ -75,7 +75,8 @@ class Session:
 
     @property
     def tokens(self) -> list[int]:
-        return list(self.traj.tokens)
+        """The session's tokens as a new list of ints (the trajectory holds them as int32)."""
+        return self.traj.tokens.tolist()
 
     @property
     def num_tokens(self) -> int:
@@ -255,10 +256,10 @@ class SessionTable(Mapping[str, Session]):
             raise InvalidRequest("n > 1 is not allowed on a session turn: fork the session")
 
     def begin_turn(
-        self, session: Session, request: Request, tokens: list[int], ids: array
+        self, session: Session, request: Request, tokens: Seq[int], ids: array | None = None
     ) -> Trajectory:
-        """The turn's request is valid: resume a paused session, append the prompt (``ids``:
-        the same tokens as int32, `RequestLimits.check_prompt`)."""
+        """The turn's request is valid: resume a paused session, append the prompt (int32
+        ids as `RequestLimits.prompt_ids` gives them; ``ids``: see `append_tokens`)."""
         if self.offload.record_for(session.session_id) is not None:
             request.resumed = True
             self.offload.on_resume(session)

@@ -57,7 +57,10 @@ class Trajectory:
         block_table: [ 7 | 3 | 12 | 1 | 9 ]      B = 4, num_computed_tokens = 18
                       \\__ locked path __/ \\_ private partial tail (2 of 4 slots valid)
 
-    Extend ``tokens`` with ``append_tokens`` (plain appends to the list are picked up too).
+    ``tokens`` is one int32 ``array('i')`` (``_buf`` names the same object, see below), never a
+    list: a prompt of a million ids stays a memcpy, not a million Python ints. Read it with
+    ``len``, indexing and slicing; extend it with ``append_token(s)`` (or in place); compare
+    it with another array, or ``tolist()`` it first (an array never equals a list).
     """
 
     def __init__(
@@ -73,8 +76,10 @@ class Trajectory:
         self._bs = manager.block_size
         self.traj_id = traj_id
         self.salt = salt
-        self._buf = array("i")
-        self.tokens: list[int] = []
+        # One int32 array under two names: ``tokens`` for readers outside, ``_buf`` for the
+        # matching code inside. Both are only ever changed in place (never rebound).
+        self.tokens: array = array("i")
+        self._buf = self.tokens
         self.block_table: list[int] = []
         self.num_computed_tokens = 0
         self.prompt_tokens_total = 0
@@ -113,14 +118,6 @@ class Trajectory:
         if self.closed:
             raise InvalidRequest(f"trajectory {self.traj_id} is closed; open a new one")
 
-    def _sync(self) -> None:
-        """Bring the int32 mirror of ``tokens`` up to date after direct list appends."""
-        buf = self._buf
-        if len(buf) < len(self.tokens):
-            buf.extend(as_token_array(self.tokens[len(buf) :]))
-        elif len(buf) > len(self.tokens):
-            self._buf = array("i", as_token_array(self.tokens))
-
     def _lock_to(self, node: RadixNode) -> None:
         old = self.locked_node
         if node is not old:
@@ -143,30 +140,21 @@ class Trajectory:
     # ---- turns ---------------------------------------------------------------------------
 
     def token_array(self) -> array:
-        """The tokens as int32 (kept in step with ``tokens``): match on this, not the list."""
-        if len(self._buf) != len(self.tokens):  # the call only when the list was appended to
-            self._sync()
+        """The tokens as int32: ``tokens`` itself (an alias kept for its readers)."""
         return self._buf
 
     def append_token(self, token: int) -> None:
         """One sampled token (the decode hot path)."""
         if self.closed:
             self._require_open()
-        if len(self._buf) != len(self.tokens):
-            self._sync()
         self._buf.append(token)
-        self.tokens.append(token)
 
     def append_tokens(self, tokens: Iterable[int], ids: array | None = None) -> None:
-        """Append ``tokens``; ``ids``: the same tokens already converted to int32, with
-        ``tokens`` a list of plain ints (a checked prompt): neither is converted again."""
+        """Append ``tokens`` (an int32 array is copied in as it is); ``ids``: the same tokens
+        already as int32, for a caller that holds both (``tokens`` is then not read)."""
         if self.closed:
             self._require_open()
-        new = as_token_array(tokens) if ids is None else ids
-        if len(self._buf) != len(self.tokens):
-            self._sync()
-        self._buf.extend(new)
-        self.tokens.extend(new if ids is None else tokens)
+        self._buf.extend(as_token_array(tokens) if ids is None else ids)
 
     def reuse_prefix(self, *, record: bool = True) -> int:
         """Adopt the longest cached prefix; returns num_computed_tokens (the cached tokens).
@@ -174,8 +162,6 @@ class Trajectory:
         ``record=False`` leaves the hit statistics alone (a retry of the same admission).
         """
         self._require_open()
-        if len(self._buf) != len(self.tokens):
-            self._sync()
         n = len(self.tokens)
         end = max(n - 1, 0) if self.reuse_limit is None else min(max(n - 1, 0), self.reuse_limit)
         match = self._radix.match(
@@ -254,8 +240,6 @@ class Trajectory:
             self._reject_computed(n)
         self.num_computed_tokens = done
         if self.window is not None:
-            if len(self._buf) != len(self.tokens):
-                self._sync()
             self.window.slide(done, self._buf)
 
     def _reject_computed(self, n: int) -> None:
@@ -278,8 +262,6 @@ class Trajectory:
         shared = self.locked_tokens // bs
         if n_full <= shared:
             return 0
-        if len(self._buf) != len(self.tokens):
-            self._sync()
         table = self.block_table
         tokens = self._buf[shared * bs : n_full * bs]
         if self._radix.extend_leaf(self.locked_node, tokens, table[shared:n_full], adopt=True):
@@ -320,11 +302,8 @@ class Trajectory:
                 if window is not None and window_dst is not None:
                     window.pool.release([window_dst])
                 raise
-        self._sync()
         manager = self._manager
-        child = Trajectory(manager, manager.next_trajectory_id(), self.salt)
-        child._buf = array("i", self._buf)
-        child.tokens = list(self.tokens)
+        child = Trajectory(manager, manager.next_trajectory_id(), self.salt, self._buf)
         shared = self.block_table[:n_full]  # the parent's locked path (committed just now)
         child.block_table = shared if dst is None else [*shared, dst]
         child._lock_to(self.locked_node)  # and counts its blocks
@@ -343,7 +322,6 @@ class Trajectory:
         if keep_in_cache:
             self.commit()
         if self.window is not None:
-            self._sync()
             self.window.release_all(self.num_computed_tokens, self._buf, publish=keep_in_cache)
         private = self.block_table[self.locked_tokens // self._bs :]
         self.block_table = []
@@ -363,7 +341,6 @@ class Trajectory:
                 f"cannot truncate trajectory {self.traj_id} of {len(self.tokens)} tokens "
                 f"to {num_tokens}"
             )
-        self._sync()
         window = self.window
         if window is not None:
             window.forget_hashes(num_tokens // self._bs)
@@ -388,7 +365,6 @@ class Trajectory:
             self.num_computed_tokens = keep * bs
             self._recount()
         del self.tokens[num_tokens:]
-        self._buf = self._buf[:num_tokens]
 
     def close(self) -> None:
         if self.closed:
@@ -407,8 +383,7 @@ class Trajectory:
             return
         bs = self._bs
         tid = self.traj_id
-        mirror = self._buf.tolist()
-        require(mirror == self.tokens[: len(mirror)], f"trajectory {tid}: token mirror diverged")
+        require(self._buf is self.tokens, f"trajectory {tid}: tokens rebound apart from _buf")
         node = self.locked_node
         require(node.alive, f"trajectory {tid} locks an evicted node")
         top = node
@@ -416,7 +391,7 @@ class Trajectory:
             top = top.parent
         require(top is self._radix.root(self.salt), f"trajectory {tid} locks another salt's path")
         require(
-            array("i", self.tokens[: node.depth_tokens]) == node.path_tokens(),
+            self._buf[: node.depth_tokens] == node.path_tokens(),
             f"trajectory {tid}: its locked path holds other tokens than its own",
         )
         computed = self.num_computed_tokens

@@ -228,7 +228,7 @@ class ReplayDriver:
         sim = self.sim
         call = replay.calls[i]
         self.calls += 1
-        history = session.traj.tokens
+        history = session.tokens  # a list: a slice of the prompt compares equal to it
         prompt: tuple[int, ...] | list[int] = call.prompt
         if history:
             if len(prompt) > len(history) and list(prompt[: len(history)]) == history:
