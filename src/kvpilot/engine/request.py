@@ -54,6 +54,12 @@ class PromptIds:
             ids = self._tuple = tuple(self.ids)
         return ids
 
+    def __eq__(self, other: object) -> bool:
+        """Equal ids (so that equal snapshots compare equal); unhashable, as is a snapshot."""
+        if not isinstance(other, PromptIds):
+            return NotImplemented
+        return self.ids == other.ids
+
     def __repr__(self) -> str:
         return f"PromptIds({len(self.ids)} ids)"
 
