@@ -130,3 +130,34 @@ def test_pauses_are_filed_in_pause_order() -> None:
         book.file(record("b", 300.0, 4.0, 10.0))
     book.file(record("a", 100.0, 6.0, 10.0))  # a session paused again replaces its record
     assert list(book) == ["a"] and book.bytes_in(PauseState.RETAINED) == 100.0
+
+
+def test_the_retained_index_follows_every_change_in_pause_order() -> None:
+    """The retained-sooner walk reads an index of the retained records (pause time, bytes):
+    it follows filing, state changes (out of retained and back in), demotions and resumes,
+    and keeps pause order when a record comes back to retained."""
+    book = PauseBook()
+    book.file(record("a", 1.0, 0.0, 4.0))  # due at 4
+    book.file(record("b", 2.0, 1.0, 4.0))  # due at 5
+    book.file(record("c", 4.0, 2.0, 4.0))  # due at 6
+    assert book.retained_back_by(6.0, now=2.0) == 7.0
+    book.change(book["b"], PauseState.CACHED)
+    assert book.retained_back_by(6.0, now=2.0) == 5.0
+    book.change(book["b"], PauseState.RETAINED)  # back in: between a and c, not last
+    book.check_invariants()
+    assert book.retained_back_by(6.0, now=2.0) == 7.0
+    book.change(book["a"], PauseState.OFFLOADED, demoted_to_host(book["a"].decision))
+    assert book.retained_back_by(6.0, now=2.0) == 6.0
+    book.pop("c")
+    assert book.retained_back_by(6.0, now=2.0) == 2.0
+    book.file(record("b", 8.0, 3.0, 1.0))  # paused again: the new record replaces the old
+    assert book.retained_back_by(6.0, now=3.0) == 8.0
+    book.check_invariants()
+
+
+def test_a_pause_time_written_behind_the_books_back_is_caught() -> None:
+    book = PauseBook()
+    book.file(record("a", 300.0, 0.0, 10.0))
+    book["a"].paused_at = 1.0  # not through the book: the retained index is stale
+    with pytest.raises(AssertionError, match="index of retained records"):
+        book.check_invariants()

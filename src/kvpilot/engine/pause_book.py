@@ -5,7 +5,9 @@ state is back sooner than it, how much host room paused sessions hold, how much 
 state idle sessions keep. Walking every record for each pause costs O(sessions) per pause;
 the book keeps those sums up to date as records are filed, change state and leave, so a
 pause reads them in O(1) (and the one figure that depends on the pause's own wait walks
-only the records paused within that wait).
+only the retained records paused within that wait, from an index of them in pause order
+that holds each one's pause time and bytes beside it: the walk reads no record's state,
+inputs or pause time).
 
 Records are filed in pause order, so ``paused_at`` never decreases from oldest to newest.
 Every change of a record's state or decision goes through the book (`change`), which is
@@ -33,6 +35,8 @@ class PauseBook(Mapping[str, PauseRecord]):
         self._records: dict[str, PauseRecord] = {}
         self._bytes: defaultdict[tuple[PauseAction, PauseState], float] = defaultdict(float)
         self._state_bytes: defaultdict[PauseState, float] = defaultdict(float)
+        # The retained records, oldest pause first: (paused_at, kv_bytes, record).
+        self._retained: dict[str, tuple[float, float, PauseRecord]] = {}
 
     # -- the mapping ----------------------------------------------------------------------
 
@@ -67,12 +71,16 @@ class PauseBook(Mapping[str, PauseRecord]):
                 f"{newest.paused_at}: records must come in pause order"
             )
         self._records[record.session_id] = record
-        self._count(record, record.inputs.kv_bytes)
+        kv_bytes = record.inputs.kv_bytes
+        self._count(record, kv_bytes)
+        if record.state is RETAINED:
+            self._retained[record.session_id] = (record.paused_at, kv_bytes, record)
 
     def pop(self, session_id: str) -> PauseRecord | None:
         record = self._records.pop(session_id, None)
         if record is not None:
             self._count(record, -record.inputs.kv_bytes)
+            self._retained.pop(session_id, None)
         return record
 
     def change(
@@ -80,10 +88,16 @@ class PauseBook(Mapping[str, PauseRecord]):
     ) -> None:
         """Move a filed record to ``state`` (and to ``decision``, when one is given)."""
         self._count(record, -record.inputs.kv_bytes)
+        was_retained = record.state is RETAINED
         record.state = state
         if decision is not None:
             record.decision = decision
         self._count(record, record.inputs.kv_bytes)
+        if was_retained and state is not RETAINED:
+            del self._retained[record.session_id]
+        elif state is RETAINED and not was_retained:
+            # Back to retained (the engine never does this): re-index in pause order.
+            self._retained = self._retained_by_walk()
 
     def _count(self, record: PauseRecord, kv_bytes: float) -> None:
         self._bytes[record.action, record.state] += kv_bytes
@@ -101,12 +115,19 @@ class PauseBook(Mapping[str, PauseRecord]):
         paused_at)``, which only grows with age, so the walk stops at the first record
         paused longer ago than that allows."""
         sooner = 0.0
-        for record in reversed(self._records.values()):  # hot path: every pause
-            if now + (now - record.paused_at) > back:
+        for paused_at, kv_bytes, record in reversed(self._retained.values()):  # every pause
+            if now + (now - paused_at) > back:
                 break
-            if record.state is RETAINED and record.expected_return <= back:
-                sooner += record.inputs.kv_bytes
+            if record.expected_return <= back:
+                sooner += kv_bytes
         return sooner
+
+    def _retained_by_walk(self) -> dict[str, tuple[float, float, PauseRecord]]:
+        return {
+            sid: (r.paused_at, r.inputs.kv_bytes, r)
+            for sid, r in self._records.items()
+            if r.state is RETAINED
+        }
 
     def check_invariants(self) -> None:
         """The tallies equal a walk of the records, which are filed in pause order."""
@@ -126,3 +147,7 @@ class PauseBook(Mapping[str, PauseRecord]):
                 kept == {k: v for k, v in walk.items() if v},
                 f"pause tallies {kept} do not match the records {dict(walk)}",
             )
+        require(
+            list(self._retained.items()) == list(self._retained_by_walk().items()),
+            "the index of retained records does not match the records",
+        )
