@@ -139,9 +139,9 @@ class OffloadManager:
         wait = clamp_wait_s(wait)  # timers and figures stay finite whatever the caller said
         nodes = self.exclusive_device_nodes(traj)
         inputs = self.pause_inputs(traj, nodes, wait, tool)
-        decision = pricing.feasible(
-            self.policy.decide(inputs), self.mover.link_bw(), self.mover.disk_bw()
-        )
+        decision = self.policy.decide(inputs)
+        if decision.action in OFFLOADS:  # only an offload can ask for a tier this engine lacks
+            decision = pricing.feasible(decision, self.mover.link_bw(), self.mover.disk_bw())
         now = self.now()
         lease = self.policy.lease_s(inputs) if decision.action is RETAIN else 0.0
         record = PauseRecord(

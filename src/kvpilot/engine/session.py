@@ -71,7 +71,6 @@ class Session:
         self.closed = False
         self.turns = 0
         self.last_used = table.now()
-        self.last_output: RequestOutput | None = None
 
     @property
     def tokens(self) -> list[int]:
@@ -276,7 +275,6 @@ class SessionTable(Mapping[str, Session]):
             return
         session.active_request = None
         session.last_used = self.now()
-        session.last_output = output
         self.offload.session_idle(session)
         if request.pause_hint is not None and not request.aborted:
             self.pause(session, *request.pause_hint)
