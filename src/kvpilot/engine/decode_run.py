@@ -335,7 +335,6 @@ def _apply(
     events.sort()
     events.append((k, False, n))  # none at step k: the run's end
     gaps = list(map(sub, starts[1:], starts))  # what stepping records as each step's time
-    idle = engine.sessions.idle  # what Engine.step polls with
     move = clock.move  # type: ignore[attr-defined]
     shown = starts[0]  # what the clock shows: nothing but the run may move it
     poll_j = _first_poll(starts, offload.next_poll_at(), 0, k)
@@ -361,7 +360,7 @@ def _apply(
             lookout.look()
             lk += 1
         if j == poll_j:
-            offload.poll(idle)
+            offload.poll()
             poll_j = _first_poll(starts, offload.next_poll_at(), j + 1, k)
         while event_j == j:
             _, is_commit, i = events[e]

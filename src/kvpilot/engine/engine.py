@@ -230,13 +230,13 @@ class Engine:
         (with ``snapshots=False``, only of those that finished: the simulator's fast path).
         ``idle_until``: the caller's next event (clock time), which lets an idle step on
         virtual time skip ahead to the next copy completion before it (`IdleSkipper`)."""
-        self.offload.poll(self.sessions.idle)
+        self.offload.poll()
         sched = self.scheduler.schedule()
         for seq in sched.starved:
             # Alone in the pool and still no block to grow into: end it rather than spin.
             self._finish_seq(seq, "length")
             self._finish_request_if_done(seq.request)
-        if not sched.scheduled:
+        if not sched.seqs:
             if self.offload.busy() or self.scheduler.held_back:
                 self._let_copies_run(idle_until)
             return [self._snapshot(s.request) for s in sched.starved]
@@ -273,14 +273,14 @@ class Engine:
         append_token = self._append_token
         progressed: dict[str, Request] = {}
         finishing = False  # a sequence finished: only then can a request have finished
-        for item in sched.scheduled:  # hot path: every running sequence, every step
-            seq = item.seq
+        # Hot path: every running sequence, every step.
+        for seq, work in zip(sched.seqs, sched.works, strict=True):
             traj = seq.traj
-            traj.mark_computed(item.num_tokens)
+            traj.mark_computed(len(work.token_ids))
             observe_computed(traj)
             if caching and traj.num_computed_tokens // block > traj.locked_tokens // block:
                 traj.commit()
-            if not item.sample:
+            if work.sampling is None:
                 continue
             tokens = sampled[seq.seq_id]
             request = seq.request

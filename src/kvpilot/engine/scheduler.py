@@ -67,10 +67,9 @@ class AdmissionHooks:
     copies_in_flight: Callable[[], bool] | None = None
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class ScheduledSeq:
-    """A running sequence's share of this step (not frozen: one per sequence per step, see
-    `SeqWork`)."""
+    """A running sequence's share of a step, as `SchedulerOutput.scheduled` lists them."""
 
     seq: Sequence
     num_tokens: int
@@ -79,9 +78,12 @@ class ScheduledSeq:
 
 @dataclass(slots=True)
 class SchedulerOutput:
-    """One step's batch (not frozen, like `SeqWork`: one is built per step; read-only)."""
+    """One step's batch (not frozen, like `SeqWork`: one is built per step; read-only).
 
-    scheduled: list[ScheduledSeq]
+    ``seqs[i]`` runs ``works[i]``: its token count is ``len(works[i].token_ids)`` and it
+    samples when ``works[i].sampling`` is set (nothing else is built per sequence)."""
+
+    seqs: list[Sequence]
     works: list[SeqWork]
     preempted: list[Sequence]
     starved: list[Sequence]  # cannot grow even alone in the pool: the engine ends them
@@ -92,7 +94,15 @@ class SchedulerOutput:
 
     @property
     def empty(self) -> bool:
-        return not self.scheduled and not self.starved
+        return not self.seqs and not self.starved
+
+    @property
+    def scheduled(self) -> list[ScheduledSeq]:
+        """Each sequence with its share (built on demand: the step loop reads the works)."""
+        return [
+            ScheduledSeq(seq, len(w.token_ids), w.sampling is not None)
+            for seq, w in zip(self.seqs, self.works, strict=True)
+        ]
 
 
 class Scheduler:
@@ -173,7 +183,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:  # hot path: once per engine step
         cfg = self.config
         budget = cfg.max_num_batched_tokens
-        scheduled: list[ScheduledSeq] = []
+        seqs: list[Sequence] = []
         works: list[SeqWork] = []
         preempted: list[Sequence] = []
         starved: list[Sequence] = []
@@ -201,9 +211,24 @@ class Scheduler:
                     break
                 if not self._preempt_until_allocated(seq, n, preempted):
                     break  # seq preempted itself: everything after it is gone too
-            item = ScheduledSeq(seq, n, n == remaining)
-            scheduled.append(item)
-            works.append(self._work(seq, n, item.sample))
+            seqs.append(seq)
+            # `_work`, inline (the hot path: every running sequence, every step).
+            req = seq.request
+            params = req.params
+            window = traj.window
+            works.append(
+                SeqWork(
+                    seq.seq_id,
+                    traj.token_array()[computed : computed + n],
+                    computed,
+                    traj.block_table,
+                    params if n == remaining else None,
+                    len(seq.output_token_ids),
+                    seq.seed,
+                    params.n if (params.n > 1 and not req.forked) else 1,
+                    None if window is None else window.blocks,
+                )
+            )
             if n > 1 or n != remaining:
                 prefill += n
             if computed + n > context:
@@ -247,17 +272,17 @@ class Scheduler:
             self.resident_at_add.pop(seq.seq_id, None)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
-            item = ScheduledSeq(seq, n, n == seq.remaining_tokens)
-            scheduled.append(item)
-            works.append(self._work(seq, n, item.sample))
-            if n > 1 or not item.sample:
+            sample = n == seq.remaining_tokens
+            seqs.append(seq)
+            works.append(self._work(seq, n, sample))
+            if n > 1 or not sample:
                 prefill += n
             context = max(context, seq.traj.num_computed_tokens + n)
             budget -= n
 
         total = cfg.max_num_batched_tokens - budget
         return SchedulerOutput(
-            scheduled, works, preempted, starved, total, prefill, total - prefill, context
+            seqs, works, preempted, starved, total, prefill, total - prefill, context
         )
 
     def _resident(self, seq: Sequence) -> bool:
