@@ -10,7 +10,7 @@ from kvpilot.engine.clock import VirtualClock
 from kvpilot.engine.executor import SeqWork
 from kvpilot.engine.sampling import SamplingParams
 from kvpilot.sim import runner as runner_module
-from kvpilot.sim.cost_model import RooflineCostModel
+from kvpilot.sim.cost_model import RooflineCostModel, batch_shape
 from kvpilot.sim.runner import SimulatedRunner
 from kvpilot.sizing.geometry import resolve_geometry
 from kvpilot.sizing.hardware import parse_node
@@ -97,3 +97,30 @@ def test_a_stream_longer_than_the_offsets_kept_draws_the_same() -> None:
     sim = runner(152064)
     stream = sim.decode_run_stream(2**64 - 1, 123_456, 5000)
     assert stream.ids.tolist() == sim.decode_run_tokens(2**64 - 1, 123_456, 5000)
+
+
+@settings(deadline=None, max_examples=60)
+@given(
+    steps=st.lists(
+        st.lists(st.tuples(st.integers(0, 2), st.integers(0, 40), st.integers(1, 20)), max_size=3),
+        min_size=1,
+        max_size=8,
+    )
+)
+def test_execute_counts_recomputed_positions_and_the_shape_of_each_step(
+    steps: list[list[tuple[int, int, int]]],
+) -> None:
+    """Recomputed tokens: the positions a work computes below its sequence's high-water mark
+    (counted one by one here); each step's shape is `batch_shape` of its works."""
+    sim = runner(32000)
+    marks: dict[int, int] = {}
+    expected = 0
+    for step in steps:
+        by_seq = {seq_id: (start, count) for seq_id, start, count in step}  # one work a seq
+        works = [SeqWork(s, [1] * c, p, [0]) for s, (p, c) in by_seq.items()]
+        for s, (p, c) in by_seq.items():
+            expected += sum(1 for q in range(p, p + c) if q < marks.get(s, 0))
+            marks[s] = max(marks.get(s, 0), p + c)
+        sim.execute(works)
+        assert sim.recomputed_tokens == expected
+        assert sim.last_shape == batch_shape(works)

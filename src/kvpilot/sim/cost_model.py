@@ -32,7 +32,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import islice
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from kvpilot.engine.executor import SeqWork
 from kvpilot.errors import ConfigError
@@ -40,8 +40,7 @@ from kvpilot.sizing.geometry import ModelGeometry
 from kvpilot.sizing.hardware import Node
 
 
-@dataclass(frozen=True, slots=True)
-class BatchShape:
+class BatchShape(NamedTuple):
     """What one step computes, as far as its cost goes.
 
     A work of one token is a decode (cost-wise a one-token prefill chunk is the same);
@@ -49,6 +48,9 @@ class BatchShape:
     attends to (its ``start_pos``); ``new_tokens`` is the KV the step writes. For each
     sliding window W of the cost model (``windows``), ``window_kv_read[i]`` and
     ``window_pairs[i]`` are the same figures capped by the window.
+
+    A named tuple, not a frozen dataclass: the simulated runner builds one per step, and a
+    frozen dataclass's ``__init__`` sets each field through ``object.__setattr__``.
     """
 
     num_seqs: int = 0

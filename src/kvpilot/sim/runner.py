@@ -97,22 +97,26 @@ class SimulatedRunner:
         for w in works:  # hot path: batch_shape and sampling in one pass
             c = len(w.token_ids)
             p = w.start_pos
+            sid = w.seq_id
+            end = p + c
             if c == 1:
                 decode += 1
+                pairs += end  # c * p + c * (c + 1) // 2 with c = 1
             else:
                 prefill += c
+                pairs += c * p + c * (c + 1) // 2
             kv_read += p
-            pairs += c * p + c * (c + 1) // 2
-            end = p + c
-            mark = high.get(w.seq_id, 0)
-            if p < mark:
-                recomputed += min(end, mark) - p
+            mark = high.get(sid, 0)
             if end > mark:
-                high[w.seq_id] = end
+                if p < mark:
+                    recomputed += mark - p
+                high[sid] = end
+            elif p < mark:
+                recomputed += c  # the whole work lies below the high-water mark
             if w.sampling is not None:
                 base = (w.seed * _SEED_MUL + w.step * _STEP_MUL) & _MASK
                 count = w.sample_count
-                out[w.seq_id] = (
+                out[sid] = (
                     [1 + base % vocab]
                     if count == 1
                     else [1 + (base + j * _DRAW_MUL) % vocab for j in range(count)]
