@@ -261,23 +261,25 @@ class Scheduler:
             if cfg.enable_prefix_caching:
                 seq.traj.reuse_prefix(record=not seq.prefix_reused)
             seq.prefix_reused = True
-            n = self._chunk(seq, budget)
+            traj = seq.traj
+            remaining = len(traj.tokens) - traj.num_computed_tokens
+            n = max(1, min(remaining, chunk, budget)) if chunk else remaining  # `_chunk_of`
             if not self._try_allocate(seq, n):
                 break
             if seq.index == 0 and seq.num_preemptions == 0 and not seq.output_token_ids:
-                seq.request.cached_tokens = seq.traj.num_computed_tokens
+                seq.request.cached_tokens = traj.num_computed_tokens
             if self.on_admit is not None:
                 self.on_admit(seq)
             del self.waiting[i]
             self.resident_at_add.pop(seq.seq_id, None)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
-            sample = n == seq.remaining_tokens
+            sample = n == len(traj.tokens) - traj.num_computed_tokens
             seqs.append(seq)
             works.append(self._work(seq, n, sample))
             if n > 1 or not sample:
                 prefill += n
-            context = max(context, seq.traj.num_computed_tokens + n)
+            context = max(context, traj.num_computed_tokens + n)
             budget -= n
 
         total = cfg.max_num_batched_tokens - budget
@@ -307,9 +309,6 @@ class Scheduler:
         if self.reclaim_idle is not None and self.reclaim_idle(1):
             return self.held_usage() < self.config.tau_high or not self.running
         return not self.running
-
-    def _chunk(self, seq: Sequence, budget: int) -> int:
-        return self._chunk_of(seq.remaining_tokens, budget)
 
     def _chunk_of(self, remaining: int, budget: int) -> int:
         """Tokens to compute this step of ``remaining`` within ``budget``."""
