@@ -219,7 +219,7 @@ class Scheduler:
             works.append(
                 SeqWork(
                     seq.seq_id,
-                    traj.token_array()[computed : computed + n],
+                    traj.tokens[computed : computed + n],  # int32: a slice is a memcpy
                     computed,
                     traj.block_table,
                     params if n == remaining else None,
@@ -380,9 +380,7 @@ class Scheduler:
         window = traj.window
         return SeqWork(
             seq.seq_id,
-            # A slice of the int32 copy, not of the list: a prefill chunk's slice of the list
-            # touches every int object (a cache miss each); this one is a memcpy.
-            traj.token_array()[start : start + num_tokens],
+            traj.tokens[start : start + num_tokens],  # int32: a slice is a memcpy
             start,
             traj.block_table,  # not copied: executors read it during the call only
             params if sample else None,
