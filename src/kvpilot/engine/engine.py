@@ -365,7 +365,7 @@ class Engine:
         output = self._snapshot(request)
         self._finished_outputs[request.request_id] = output
         if request.session_id is not None:
-            self.sessions.end_turn(request, output)
+            self.sessions.end_turn(request)
         del self.requests[request.request_id]
         request.release()
 

@@ -331,12 +331,10 @@ class OffloadManager:
         """``session`` started a turn."""
         self.idle_held.busy(session.session_id)
 
-    def poll(self, idle: Callable[[], Seq[PausableSession]] | None = None) -> None:
-        """Finish transfers that are done, fire due timers, account idle memory-time.
-
-        ``idle`` (the session table's idle sessions) is not read: the sample sums the
-        figures `idle_held` keeps, equal to walking every idle session's path."""
-        del idle
+    def poll(self) -> None:
+        """Finish transfers that are done, fire due timers, account idle memory-time (the
+        sample sums the figures `idle_held` keeps, equal to walking every idle session's
+        path)."""
         now = self.now()
         when, held = self._held_sample
         if now - when >= IDLE_SAMPLE_S and (self.mover.transport is not None or self.records):

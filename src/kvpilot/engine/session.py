@@ -268,7 +268,7 @@ class SessionTable(Mapping[str, Session]):
         session.turns += 1
         return session.traj
 
-    def end_turn(self, request: Request, output: RequestOutput) -> None:
+    def end_turn(self, request: Request) -> None:
         """A session's turn finished: the session is idle again, paused if the turn said so."""
         session = self._sessions.get(request.session_id or "")
         if session is None:
