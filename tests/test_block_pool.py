@@ -165,6 +165,34 @@ def test_decref_many_rejects_a_free_or_out_of_range_block_without_side_effect() 
     pool.check_invariants()
 
 
+def test_decref_one_is_decref_many_of_one_block() -> None:
+    pools = BlockPool(8), BlockPool(8)
+    hooked: list[list[list[int]]] = [[], []]
+    for pool, seen in zip(pools, hooked, strict=True):
+        pool.on_free = seen.append
+        assert pool.allocate(4) == [0, 1, 2, 3]
+        pool.incref(2)
+    one, many = pools
+    for block in (3, 2, 2, 1, 0):  # 2 is held twice: its first release frees nothing
+        assert one.decref_one(block) == many.decref_many([block])
+        assert one._free == many._free
+        assert one.refcounts().tolist() == many.refcounts().tolist()
+    assert hooked[0] == hooked[1] == [[3], [2], [1], [0]]
+    one.check_invariants()
+
+
+def test_decref_one_rejects_a_free_or_out_of_range_block_without_side_effect() -> None:
+    pool = BlockPool(8)
+    blocks = pool.allocate(8)
+    pool.decref(5)
+    for bad in (5, -1, 8, -9):  # free; -1 would index block 7 (in use); past either end
+        with pytest.raises(ValueError):
+            pool.decref_one(bad)
+        assert [pool.refcount(b) for b in blocks] == [1] * 5 + [0] + [1] * 2
+        assert pool.num_free == 1
+    pool.check_invariants()
+
+
 @given(
     st.lists(
         st.tuples(

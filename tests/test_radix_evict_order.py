@@ -1,5 +1,6 @@
-"""Eviction's fast path (a tail trim requeues its leaf in place, `EvictionQueues.requeue_top`)
-evicts the same blocks in the same order as popping the leaf and pushing it back.
+"""Eviction's fast path (a tail trim requeues its leaf in place, `EvictionQueues.requeue_top`,
+whose checks `RadixEviction.evict` makes inline; a top found fresh skips `peek`) evicts the
+same blocks in the same order as popping the leaf and pushing it back.
 
 A reference cache runs the eviction loop the plain way (pop, trim, push) next to the real one;
 both get the same random inserts, matches, locks and evictions on a coarse clock (access-time
@@ -78,6 +79,20 @@ op = st.one_of(
 @settings(deadline=None, max_examples=300)
 @example(  # two leaves of one access time: each trim sends its leaf behind the other
     ops=[("insert", 0, 2), ("insert", 1, 2), ("evict", 1, 0), ("evict", 1, 0)], tails=[0] * 24
+)
+@example(  # the top's right child ties with it while its left one is newer (heap[2] decides)
+    ops=[
+        ("insert", 1, 3),
+        ("insert", 2, 2),
+        ("insert", 0, 1),
+        ("evict", 1, 0),
+        ("evict", 1, 0),
+        ("tick", 1, 0),
+        ("insert", 0, 1),
+        ("evict", 1, 0),
+        ("evict", 1, 0),
+    ],
+    tails=[0] * 24,
 )
 @given(ops=st.lists(op, max_size=60), tails=st.lists(st.integers(0, 9), min_size=24, max_size=24))
 def test_requeued_trims_evict_like_pop_and_push(

@@ -106,6 +106,24 @@ class BlockPool:
             return True
         return False
 
+    def decref_one(self, block: int) -> int:
+        """`decref_many` of one block, without the list: returns 1 if it became free, else 0."""
+        refs = self._refcounts
+        try:
+            count = refs[block]
+        except IndexError:  # an id past the end
+            count = 0
+        if count == 1 and block >= 0:  # the hot path: the last reference goes
+            refs[block] = 0
+            self._free.append(block)
+            if self.on_free is not None:
+                self.on_free([block])
+            return 1
+        if count <= 0 or block < 0:  # free, out of range, or a negative id indexing from the end
+            self._in_use(block)
+        refs[block] = count - 1
+        return 0
+
     def decref_many(self, blocks: Sequence[int]) -> int:
         """decref each of ``blocks`` (distinct ids, all in use; nothing changes if one is not);
         returns how many became free."""

@@ -171,29 +171,67 @@ class RadixEviction(ABC):
         """
         freed = 0
         queues = self._queues
+        heaps = queues._heaps
+        pool = self.pools[tier]
         bs = self.block_size
         while freed < num_blocks:
-            node = queues.peek(tier)
-            if node is None:
-                break
             want = num_blocks - freed
-            ids = node.blocks[tier]
+            heap = heaps[tier]  # read anew: a compaction replaces the list
+            if heap:
+                # `peek`'s answer without the call when the top entry is a fresh childless
+                # single-copy candidate, the hot path's node (else `peek` fixes the heap).
+                key, _, node = heap[0]
+                ids = node.blocks.get(tier)
+                hot = (
+                    ids is not None
+                    and key == node.last_access
+                    and not node.children
+                    and len(node.blocks) == 1
+                    and not node.lock_count
+                    and node._alive
+                    and node.depth_tokens
+                )
+            else:
+                hot = False
+            if not hot:
+                peeked = queues.peek(tier)
+                if peeked is None:
+                    break
+                node = peeked
+                ids = node.blocks[tier]
+                key = node.last_access
+            assert ids is not None
             size = len(ids)
             if size > want and not node.children and len(node.blocks) == 1:
                 # The hot path: trim the last ``want`` blocks of a childless single-copy leaf
                 # in place (no edge copy); it stays a candidate at the top of the queue.
                 if self.observer is not None:
                     self.observer.evicted(tier, node.hashes[-want * HASH_BYTES :])
-                tail = ids[-want:]
-                del ids[-want:]
+                if want == 1:  # one block (a decode step's allocation): no tail list
+                    tail = None
+                    block = ids.pop()
+                else:
+                    tail = ids[-want:]
+                    del ids[-want:]
                 del node.tokens[-want * bs :]
                 if node._hashes is not None:
                     node._hashes = node._hashes[: -want * HASH_BYTES]
                 node.depth_tokens -= want * bs
                 self._cached[tier] -= want
                 self._evictable[tier] -= want
-                queues.requeue_top(tier, self._num_nodes)
-                freed += self.pools[tier].decref_many(tail)
+                # `requeue_top`, called only when it has something to do
+                heap = heaps[tier]
+                n = len(heap)
+                if (
+                    (n > 1 and heap[1][0] <= key)
+                    or (n > 2 and heap[2][0] <= key)
+                    or n > 2 * self._num_nodes + 1024
+                ):
+                    queues.requeue_top(tier, self._num_nodes)
+                if tail is None:
+                    freed += pool.decref_one(block)
+                else:
+                    freed += pool.decref_many(tail)
                 continue
             queues.pop(tier)
             if size > want:
