@@ -186,6 +186,32 @@ def test_lock_counts_cover_every_ancestor() -> None:
         cache.unlock(upper)
 
 
+def test_lock_checks_the_path_up_to_the_first_locked_node() -> None:
+    """lock stops checking device copies at the first locked node (its path keeps them);
+    below it, an unlocked ancestor without one still makes lock raise, changing nothing."""
+    cache, pool = make_cache(4, host=8)
+    upper = put(cache, pool, seq(0, 8)).node
+    leaf = put(cache, pool, seq(0, 16)).node
+    cache.add_copy(upper, Tier.HOST, cache.pools[Tier.HOST].allocate(2))
+    cache.drop_copy(upper, Tier.DEVICE)  # upper: host only; leaf below it: device
+    before = cache.evictable_blocks(), cache.evictable_blocks(Tier.HOST)
+    with pytest.raises(ValueError, match="no device copy"):
+        cache.lock(leaf)
+    assert (leaf.lock_count, upper.lock_count, cache.root().lock_count) == (0, 0, 0)
+    assert (cache.evictable_blocks(), cache.evictable_blocks(Tier.HOST)) == before
+    top = put(cache, pool, seq(100, 8)).node
+    deeper = put(cache, pool, seq(100, 16)).node
+    cache.lock(top)
+    cache.lock(deeper)
+    assert (deeper.lock_count, top.lock_count) == (1, 2)
+    assert cache.evictable_blocks() == 2  # leaf's two device blocks
+    cache.unlock(top)
+    assert cache.evictable_blocks() == 2
+    cache.unlock(deeper)
+    assert cache.evictable_blocks() == 6
+    cache.check_invariants()
+
+
 def test_evict_returns_what_it_could_free_when_short() -> None:
     cache, pool = make_cache(4)
     put(cache, pool, seq(0, 8))

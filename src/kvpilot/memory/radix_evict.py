@@ -131,31 +131,32 @@ class RadixEviction(ABC):
     def lock(self, node: RadixNode) -> None:
         if not node._alive:
             raise ValueError("cannot lock a node that was evicted")
+        # A locked node's path is locked too and keeps its device copies (neither eviction nor
+        # `drop_copy` takes a locked node's): the check stops at the first locked node.
         n: RadixNode | None = node
-        while n is not None:
-            if Tier.DEVICE not in n.blocks and not n.is_root:
+        while n is not None and not n.lock_count:
+            if Tier.DEVICE not in n.blocks and n.depth_tokens:  # a root holds no blocks
                 raise ValueError(
                     f"cannot lock: node at depth {n.depth_tokens} has no device copy; load it first"
                 )
             n = n.parent
         n = node
         while n is not None:
-            if n.lock_count == 0 and not n.is_root:
+            if n.lock_count == 0 and n.depth_tokens:
                 for tier, ids in n.blocks.items():
                     self._evictable[tier] -= len(ids)
             n.lock_count += 1
             n = n.parent
 
     def unlock(self, node: RadixNode) -> None:
+        # A node's lock count is at least any child's (check_radix), so when ``node`` is
+        # locked, so is its whole path.
+        if node.lock_count <= 0:
+            raise ValueError(f"unlock of node at depth {node.depth_tokens} that is not locked")
         n: RadixNode | None = node
         while n is not None:
-            if n.lock_count <= 0:
-                raise ValueError(f"unlock of node at depth {n.depth_tokens} that is not locked")
-            n = n.parent
-        n = node
-        while n is not None:
             n.lock_count -= 1
-            if n.lock_count == 0 and not n.is_root:
+            if n.lock_count == 0 and n.depth_tokens:
                 for tier, ids in n.blocks.items():
                     self._evictable[tier] += len(ids)
                     self._push(n, tier)
