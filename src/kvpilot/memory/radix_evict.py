@@ -220,8 +220,8 @@ class RadixEviction(ABC):
                 node.depth_tokens -= want * bs
                 self._cached[tier] -= want
                 self._evictable[tier] -= want
-                # `requeue_top`, called only when it has something to do
-                heap = heaps[tier]
+                # `requeue_top`, called only when it has something to do (``heap`` is still
+                # the tier's list: `peek` fixes it in place, only a requeue compacts it)
                 n = len(heap)
                 if (
                     (n > 1 and heap[1][0] <= key)
