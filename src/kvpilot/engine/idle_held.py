@@ -116,17 +116,7 @@ class IdleHeld:
         `pause_pricing.held_blocks` over them (re-walking only the stale ones)."""
         total = 0
         for held in self._held.values():
-            # `_Held.fresh`, inline: this loop visits every idle session every sample.
-            traj, top, stop = held.traj, held.top, held.stop
-            if (
-                traj.locked_node is held.locked
-                and len(traj.block_table) == held.table
-                and (top is None or (top.lock_count == 1 and top.parent is stop))
-                and (not stop.depth_tokens or stop.lock_count != 1)
-            ):
-                total += held.blocks
-            else:
-                total += held.walk()
+            total += held.blocks if held.fresh() else held.walk()
         return total
 
     def check_invariants(self) -> None:

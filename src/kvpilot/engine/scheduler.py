@@ -190,8 +190,6 @@ class Scheduler:
         prefill = context = 0
         running = self.running
         block = self.kv.block_size
-        # `_chunk_of`, inline: at most one chunk, at least one token, within the budget.
-        chunk = cfg.max_prefill_chunk if cfg.chunked_prefill else 0
 
         i = 0
         while i < len(running) and budget > 0:
@@ -200,7 +198,7 @@ class Scheduler:
             computed = traj.num_computed_tokens
             remaining = len(traj.tokens) - computed
             # A decode takes its one token (the budget is positive), a prefill its chunk.
-            n = remaining if remaining == 1 or not chunk else max(1, min(remaining, chunk, budget))
+            n = 1 if remaining == 1 else self._chunk_of(remaining, budget)
             # Most decode steps need no new block: `_try_allocate`'s own first test, inline.
             if computed + n > len(traj.block_table) * block and not self._try_allocate(seq, n):
                 if len(running) == 1:
@@ -263,7 +261,7 @@ class Scheduler:
             seq.prefix_reused = True
             traj = seq.traj
             remaining = len(traj.tokens) - traj.num_computed_tokens
-            n = max(1, min(remaining, chunk, budget)) if chunk else remaining  # `_chunk_of`
+            n = self._chunk_of(remaining, budget)
             if not self._try_allocate(seq, n):
                 break
             if seq.index == 0 and seq.num_preemptions == 0 and not seq.output_token_ids:

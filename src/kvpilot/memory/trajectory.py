@@ -57,7 +57,7 @@ class Trajectory:
         block_table: [ 7 | 3 | 12 | 1 | 9 ]      B = 4, num_computed_tokens = 18
                       \\__ locked path __/ \\_ private partial tail (2 of 4 slots valid)
 
-    ``tokens`` is one int32 ``array('i')`` (``_buf`` names the same object, see below), never a
+    ``tokens`` is one int32 ``array('i')``, never a
     list: a prompt of a million ids stays a memcpy, not a million Python ints. Read it with
     ``len``, indexing and slicing; extend it with ``append_token(s)`` (or in place); compare
     it with another array, or ``tolist()`` it first (an array never equals a list).
@@ -76,10 +76,7 @@ class Trajectory:
         self._bs = manager.block_size
         self.traj_id = traj_id
         self.salt = salt
-        # One int32 array under two names: ``tokens`` for readers outside, ``_buf`` for the
-        # matching code inside. Both are only ever changed in place (never rebound).
         self.tokens: array = array("i")
-        self._buf = self.tokens
         self.block_table: list[int] = []
         self.num_computed_tokens = 0
         self.prompt_tokens_total = 0
@@ -140,21 +137,21 @@ class Trajectory:
     # ---- turns ---------------------------------------------------------------------------
 
     def token_array(self) -> array:
-        """The tokens as int32: ``tokens`` itself (an alias kept for its readers)."""
-        return self._buf
+        """The tokens as int32: ``tokens`` itself."""
+        return self.tokens
 
     def append_token(self, token: int) -> None:
         """One sampled token (the decode hot path)."""
         if self.closed:
             self._require_open()
-        self._buf.append(token)
+        self.tokens.append(token)
 
     def append_tokens(self, tokens: Iterable[int], ids: array | None = None) -> None:
         """Append ``tokens`` (an int32 array is copied in as it is); ``ids``: the same tokens
         already as int32, for a caller that holds both (``tokens`` is then not read)."""
         if self.closed:
             self._require_open()
-        self._buf.extend(as_token_array(tokens) if ids is None else ids)
+        self.tokens.extend(as_token_array(tokens) if ids is None else ids)
 
     def reuse_prefix(self, *, record: bool = True) -> int:
         """Adopt the longest cached prefix; returns num_computed_tokens (the cached tokens).
@@ -165,15 +162,15 @@ class Trajectory:
         n = len(self.tokens)
         end = max(n - 1, 0) if self.reuse_limit is None else min(max(n - 1, 0), self.reuse_limit)
         match = self._radix.match(
-            self._buf, self.salt, record=False, below=self.locked_node, length=end
+            self.tokens, self.salt, record=False, below=self.locked_node, length=end
         )
         window = self.window
         computed = self.num_computed_tokens
         if window is not None and match.num_tokens > computed:
             # A hit must also hold the window group's KV of its last W tokens.
-            k = window.longest_valid(match.num_tokens // self._bs, computed, self._buf)
+            k = window.longest_valid(match.num_tokens // self._bs, computed, self.tokens)
             if k * self._bs < match.num_tokens:
-                match = self._radix.match(self._buf[: k * self._bs], self.salt, record=False)
+                match = self._radix.match(self.tokens[: k * self._bs], self.salt, record=False)
         if match.num_tokens > computed:
             shared = self.locked_tokens // self._bs
             new_blocks = match.blocks(Tier.DEVICE)
@@ -187,7 +184,7 @@ class Trajectory:
             table.extend(new_blocks[overlap:])  # held by the lock
             self._recount()
             if window is not None:
-                window.adopt(match.num_tokens // self._bs, computed, self._buf)
+                window.adopt(match.num_tokens // self._bs, computed, self.tokens)
             self.num_computed_tokens = match.num_tokens
         if record:
             self.prompt_tokens_total += n
@@ -240,7 +237,7 @@ class Trajectory:
             self._reject_computed(n)
         self.num_computed_tokens = done
         if self.window is not None:
-            self.window.slide(done, self._buf)
+            self.window.slide(done, self.tokens)
 
     def _reject_computed(self, n: int) -> None:
         done = self.num_computed_tokens + n
@@ -263,7 +260,7 @@ class Trajectory:
         if n_full <= shared:
             return 0
         table = self.block_table
-        tokens = self._buf[shared * bs : n_full * bs]
+        tokens = self.tokens[shared * bs : n_full * bs]
         if self._radix.extend_leaf(self.locked_node, tokens, table[shared:n_full], adopt=True):
             self.locked_tokens = n_full * bs  # the locked leaf now ends at n_full blocks
             self.num_private_blocks -= n_full - shared
@@ -303,7 +300,7 @@ class Trajectory:
                     window.pool.release([window_dst])
                 raise
         manager = self._manager
-        child = Trajectory(manager, manager.next_trajectory_id(), self.salt, self._buf)
+        child = Trajectory(manager, manager.next_trajectory_id(), self.salt, self.tokens)
         shared = self.block_table[:n_full]  # the parent's locked path (committed just now)
         child.block_table = shared if dst is None else [*shared, dst]
         child._lock_to(self.locked_node)  # and counts its blocks
@@ -322,7 +319,7 @@ class Trajectory:
         if keep_in_cache:
             self.commit()
         if self.window is not None:
-            self.window.release_all(self.num_computed_tokens, self._buf, publish=keep_in_cache)
+            self.window.release_all(self.num_computed_tokens, self.tokens, publish=keep_in_cache)
         private = self.block_table[self.locked_tokens // self._bs :]
         self.block_table = []
         self.num_computed_tokens = 0
@@ -348,20 +345,20 @@ class Trajectory:
             bs = self._bs
             keep = num_tokens // bs
             if window is not None:  # back to where the window group's KV is whole
-                keep = window.longest_valid(keep, self.num_computed_tokens, self._buf)
+                keep = window.longest_valid(keep, self.num_computed_tokens, self.tokens)
             shared = self.locked_tokens // bs
             if keep < shared:
                 # The cut falls inside the shared path: lock only its first ``keep`` blocks
                 # (matching splits the node at that block boundary; the whole locked path is
                 # on device, so the match ends exactly there and no block turns private).
-                match = self._radix.match(self._buf[: keep * bs], self.salt, record=False)
+                match = self._radix.match(self.tokens[: keep * bs], self.salt, record=False)
                 self._lock_to(match.node)
             extra = self.block_table[max(keep, shared) :]  # the private blocks past the cut
             del self.block_table[keep:]
             self._pool.decref_many(extra)
             if window is not None:
                 window.truncate(keep)
-                window.adopt(keep, self.num_computed_tokens, self._buf)
+                window.adopt(keep, self.num_computed_tokens, self.tokens)
             self.num_computed_tokens = keep * bs
             self._recount()
         del self.tokens[num_tokens:]
@@ -383,7 +380,6 @@ class Trajectory:
             return
         bs = self._bs
         tid = self.traj_id
-        require(self._buf is self.tokens, f"trajectory {tid}: tokens rebound apart from _buf")
         node = self.locked_node
         require(node.alive, f"trajectory {tid} locks an evicted node")
         top = node
@@ -391,7 +387,7 @@ class Trajectory:
             top = top.parent
         require(top is self._radix.root(self.salt), f"trajectory {tid} locks another salt's path")
         require(
-            self._buf[: node.depth_tokens] == node.path_tokens(),
+            self.tokens[: node.depth_tokens] == node.path_tokens(),
             f"trajectory {tid}: its locked path holds other tokens than its own",
         )
         computed = self.num_computed_tokens
