@@ -512,3 +512,22 @@ def test_a_one_token_chunk_of_a_prompt_counts_as_prefill() -> None:
         engine.add_request(prompt(i, 2), SamplingParams(max_tokens=3))
     engine.step()  # 2 + 1 of the second prompt
     assert engine.stats.prefill_tokens == 3 and engine.stats.decode_tokens == 0
+
+
+def test_a_step_with_nothing_waiting_holds_nothing_back() -> None:
+    """`Scheduler.schedule` skips admission when nothing waits, and must still forget the
+    sequences the last step held back (the engine idles while any are held back)."""
+    engine = make_engine()
+    hold = {"on": True}
+    engine.scheduler.defer_admission = lambda seq: hold["on"]
+    running = engine.add_request(prompt(1, 40), SamplingParams(max_tokens=30))
+    hold["on"] = False
+    engine.step()  # admits the first request
+    hold["on"] = True
+    held = engine.add_request(prompt(2, 40), SamplingParams(max_tokens=4))
+    engine.step()
+    assert engine.scheduler.held_back and engine.scheduler.num_deferred_admissions == 1
+    engine.abort(held)  # nothing waits now; the first request still runs
+    engine.step()
+    assert not engine.scheduler.held_back and engine.scheduler.num_deferred_admissions == 1
+    assert engine.run_until_finished(running).finished

@@ -271,8 +271,13 @@ class Engine:
         caching = self.config.scheduler.enable_prefix_caching
         observe_computed = self.offload.observe_computed
         append_token = self._append_token
-        progressed: dict[str, Request] = {}
-        finishing = False  # a sequence finished: only then can a request have finished
+        # Requests that sampled this step, first seen first (only snapshots need them all).
+        progressed: dict[str, Request] | None = {} if snapshots else None
+        # Requests one of whose sequences finished this step, in step order: only those can
+        # have finished (a finished request's sampled sequences all finished in this step,
+        # so its first finishing sequence is its first sampled one: the order of
+        # `progressed`). Usually none.
+        ended: list[Request] = []
         # Hot path: every running sequence, every step.
         for seq, work in zip(sched.seqs, sched.works, strict=True):
             traj = seq.traj
@@ -283,23 +288,22 @@ class Engine:
             if work.sampling is None:
                 continue
             tokens = sampled[seq.seq_id]
-            request = seq.request
-            progressed[request.request_id] = request
+            if progressed is not None:
+                progressed[seq.request.request_id] = seq.request
             if len(tokens) > 1:
                 self._fan_out(seq, tokens, now)
-                finishing = True  # branches: checked as before, rare
+                ended.append(seq.request)  # branches: checked as before, rare
             elif append_token(seq, tokens[0], now):
-                finishing = True
-        if finishing:
-            for request in progressed.values():
+                ended.append(seq.request)
+        if ended:
+            ended = list({r.request_id: r for r in ended}.values())
+            for request in ended:
                 self._finish_request_if_done(request)
-        if not snapshots:
-            # A request progressed this step was unfinished before it (a finished one is
+        if progressed is None:
+            # A request scheduled this step was unfinished before it (a finished one is
             # filed and never scheduled again): only those that finished now are filed.
-            if not finishing:
-                return []
             done = self._finished_outputs
-            return [done[rid] for rid in progressed if rid in done]
+            return [done[r.request_id] for r in ended if r.request_id in done]
         return [self._snapshot(r) for r in progressed.values()]
 
     def end_decode_run(self, last: list[tuple[Sequence, int]], now: float) -> list[RequestOutput]:

@@ -52,9 +52,11 @@ class SeqWork:
     window_table: Sequence[int] | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class StepOutput:
-    """Sampled tokens per seq_id (only for works that asked to sample)."""
+    """Sampled tokens per seq_id (only for works that asked to sample).
+
+    Not ``frozen`` for the reason `SeqWork` is not: one is built per step; read-only."""
 
     tokens: dict[int, list[int]]
 

@@ -234,15 +234,27 @@ class Scheduler:
             budget -= n
             i += 1
 
+        if self.waiting and not preempted:  # a preemption admits nothing this step
+            budget, prefill, context = self._admit(seqs, works, budget, prefill, context)
+        elif self.held_back:
+            self.held_back = set()  # nothing was held back this step
+
+        total = cfg.max_num_batched_tokens - budget
+        return SchedulerOutput(
+            seqs, works, preempted, starved, total, prefill, total - prefill, context
+        )
+
+    def _admit(
+        self, seqs: list[Sequence], works: list[SeqWork], budget: int, prefill: int, context: int
+    ) -> tuple[int, int, int]:
+        """Step 2 (see the module docstring): admit waiting sequences into ``seqs``/``works``
+        while the budget lasts; returns the budget, prefill tokens and context after them.
+        Not called with nothing waiting (a third of all steps continue a prefill then)."""
+        cfg = self.config
         i = 0
         held_back = self.held_back
         self.held_back = set()
-        while (
-            i < len(self.waiting)
-            and budget > 0
-            and not preempted
-            and len(self.running) < cfg.max_num_seqs
-        ):
+        while i < len(self.waiting) and budget > 0 and len(self.running) < cfg.max_num_seqs:
             seq = self.waiting[i]
             if self.defer_admission is not None and self.defer_admission(seq):
                 self.held_back.add(seq.seq_id)
@@ -279,11 +291,7 @@ class Scheduler:
                 prefill += n
             context = max(context, traj.num_computed_tokens + n)
             budget -= n
-
-        total = cfg.max_num_batched_tokens - budget
-        return SchedulerOutput(
-            seqs, works, preempted, starved, total, prefill, total - prefill, context
-        )
+        return budget, prefill, context
 
     def _resident(self, seq: Sequence) -> bool:
         """Ready when the prefix is device-resident; short of room to load it, idle sessions
