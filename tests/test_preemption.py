@@ -135,6 +135,22 @@ def test_a_held_back_request_waits_at_most_max_defer_s() -> None:
     assert right and 0.02 <= waited < 0.03
 
 
+def test_a_request_that_fits_is_never_held_back() -> None:
+    """A retained paused session does not hold back a request that fits beside it: the guard
+    asks how many blocks it lacks before anything else (`HotStateGuard.defer`)."""
+    engine = make_engine(num_blocks=20, max_defer_s=1.0)
+    session = engine.open_session()
+    params = SamplingParams(max_tokens=4)
+    session.generate(prompt(1, 100), params)
+    assert session.pause(expected_wait_s=0.01).action.value == "retain"
+    small = prompt(2, 40)
+    rid = engine.add_request(small, params)
+    engine.step()
+    assert engine.requests[rid].seqs[0].status.value == "running"
+    assert list(engine.run_until_finished(rid).token_ids) == oracle_generate(small, params)
+    assert engine.snapshot().admissions_deferred == 0
+
+
 def test_a_request_with_a_resident_prefix_is_admitted_before_one_without() -> None:
     """Longest resident prefix first: the second request, whose prefix is cached, goes ahead
     of the first (nothing cached), ties stay in arrival order; both outputs are right."""

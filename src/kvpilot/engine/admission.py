@@ -71,13 +71,15 @@ class HotStateGuard:
     def defer(self, seq: Sequence) -> bool:
         """Hold ``seq`` back this step (see the module docstring)?"""
         if self.max_defer_s <= 0 or not self.offload.records:
-            return False  # no paused session, nothing retained to protect (the common case)
+            return False  # no paused session, nothing retained to protect
+        shortfall = blocks_short(self.kv, seq.traj)
+        if shortfall <= 0:
+            return False  # it fits without evicting anything (the common case)
         now = self.now()
         since = self.deferred_since.get(seq.seq_id)
         if since is not None and now - since >= self.max_defer_s:
             return False
-        shortfall = blocks_short(self.kv, seq.traj)
-        if shortfall <= 0 or not self._evicts_hot_state(shortfall, now):
+        if not self._evicts_hot_state(shortfall, now):
             return False
         if since is None:
             self._forget_stale(now)
