@@ -75,6 +75,9 @@ class OffloadManager:
         self.radix = kv.radix
         self.config = config
         self.policy = policy or make_pause_policy(config.policy, ttl_s=config.ttl_s)
+        # A tool's recent waits are copied into a pause's inputs only for a policy that reads
+        # them (the rule does not; a policy that does not say is given them).
+        self.tool_waits_read = getattr(self.policy, "reads_tool_waits", True)
         self.now = clock
         self.session_store = session_store
         self.prefetch_enabled = config.prefetch
@@ -138,11 +141,11 @@ class OffloadManager:
             wait, source = float(expected_wait_s), "hint from the caller"
         wait = clamp_wait_s(wait)  # timers and figures stay finite whatever the caller said
         nodes = self.exclusive_device_nodes(traj)
-        inputs = self.pause_inputs(traj, nodes, wait, tool)
+        now = self.now()
+        inputs = self.pause_inputs(traj, nodes, wait, tool, now)
         decision = self.policy.decide(inputs)
         if decision.action in OFFLOADS:  # only an offload can ask for a tier this engine lacks
             decision = pricing.feasible(decision, self.mover.link_bw(), self.mover.disk_bw())
-        now = self.now()
         lease = self.policy.lease_s(inputs) if decision.action is RETAIN else 0.0
         record = PauseRecord(
             session_id=session.session_id,
@@ -164,11 +167,23 @@ class OffloadManager:
         return decision
 
     def pause_inputs(
-        self, traj: Trajectory, nodes: list[RadixNode], wait: float, tool: str | None = None
+        self,
+        traj: Trajectory,
+        nodes: list[RadixNode],
+        wait: float,
+        tool: str | None = None,
+        now: float | None = None,
     ) -> PauseInputs:
+        """What the policy is told of a pause of ``traj`` (``nodes``: its exclusive device
+        nodes) at ``now`` (the clock's time when not given)."""
         mover, bb, records = self.mover, self.block_bytes, self.records
-        tokens = sum(len(n.tokens) for n in nodes) + traj.num_computed_tokens - traj.locked_tokens
-        blocks = sum(n.num_blocks for n in nodes) + traj.num_private_blocks
+        if now is None:
+            now = self.now()
+        tokens = traj.num_computed_tokens - traj.locked_tokens
+        blocks = traj.num_private_blocks
+        for node in nodes:  # one pass for both sums
+            tokens += len(node.tokens)
+            blocks += node.num_blocks
         host = mover.host_pool if mover.has_host else None
         host_free, host_pressure = pricing.host_room_of(host, self.radix, bb, records)
         kv_bytes = float(blocks * bb)
@@ -181,16 +196,16 @@ class OffloadManager:
             prefill_tokens_per_s=self.prefill.tokens_per_s(
                 len(traj.tokens), DEFAULT_PREFILL_TOKENS_PER_S
             ),
-            device_pressure=pricing.pressure_on(
-                self.pressure(), records, self.now(), kv_bytes, wait
-            ),
+            device_pressure=pricing.pressure_on(self.pressure(), records, now, kv_bytes, wait),
             host_pressure=host_pressure,
             host_free_bytes=float(host_free),
             device_used_bytes=pricing.working_bytes(
                 self.kv.device.num_used * bb, self.radix.evictable_blocks(DEVICE) * bb, records
             ),
             tool=tool,
-            tool_waits=tuple(self.waits.by_tool.get(tool, ())) if tool else (),
+            tool_waits=(
+                tuple(self.waits.by_tool.get(tool, ())) if tool and self.tool_waits_read else ()
+            ),
         )
 
     def _apply(self, session: PausableSession, record: PauseRecord, nodes: list[RadixNode]) -> None:

@@ -6,8 +6,8 @@ state idle sessions keep. Walking every record for each pause costs O(sessions) 
 the book keeps those sums up to date as records are filed, change state and leave, so a
 pause reads them in O(1) (and the one figure that depends on the pause's own wait walks
 only the retained records paused within that wait, from an index of them in pause order
-that holds each one's pause time and bytes beside it: the walk reads no record's state,
-inputs or pause time).
+that holds each one's pause time, bytes and expected return beside it: the walk reads no
+record at all; a retained record's expected return never changes while it stays retained).
 
 Records are filed in pause order, so ``paused_at`` never decreases from oldest to newest.
 Every change of a record's state or decision goes through the book (`change`), which is
@@ -35,8 +35,8 @@ class PauseBook(Mapping[str, PauseRecord]):
         self._records: dict[str, PauseRecord] = {}
         self._bytes: defaultdict[tuple[PauseAction, PauseState], float] = defaultdict(float)
         self._state_bytes: defaultdict[PauseState, float] = defaultdict(float)
-        # The retained records, oldest pause first: (paused_at, kv_bytes, record).
-        self._retained: dict[str, tuple[float, float, PauseRecord]] = {}
+        # The retained records, oldest pause first: (paused_at, kv_bytes, expected_return).
+        self._retained: dict[str, tuple[float, float, float]] = {}
 
     # -- the mapping ----------------------------------------------------------------------
 
@@ -74,7 +74,11 @@ class PauseBook(Mapping[str, PauseRecord]):
         kv_bytes = record.inputs.kv_bytes
         self._count(record, kv_bytes)
         if record.state is RETAINED:
-            self._retained[record.session_id] = (record.paused_at, kv_bytes, record)
+            self._retained[record.session_id] = (
+                record.paused_at,
+                kv_bytes,
+                record.expected_return,
+            )
 
     def pop(self, session_id: str) -> PauseRecord | None:
         record = self._records.pop(session_id, None)
@@ -115,16 +119,16 @@ class PauseBook(Mapping[str, PauseRecord]):
         paused_at)``, which only grows with age, so the walk stops at the first record
         paused longer ago than that allows."""
         sooner = 0.0
-        for paused_at, kv_bytes, record in reversed(self._retained.values()):  # every pause
-            if now + (now - paused_at) > back:
+        for paused_at, kv_bytes, expected_return in reversed(self._retained.values()):
+            if now + (now - paused_at) > back:  # every pause walks this loop
                 break
-            if record.expected_return <= back:
+            if expected_return <= back:
                 sooner += kv_bytes
         return sooner
 
-    def _retained_by_walk(self) -> dict[str, tuple[float, float, PauseRecord]]:
+    def _retained_by_walk(self) -> dict[str, tuple[float, float, float]]:
         return {
-            sid: (r.paused_at, r.inputs.kv_bytes, r)
+            sid: (r.paused_at, r.inputs.kv_bytes, r.expected_return)
             for sid, r in self._records.items()
             if r.state is RETAINED
         }

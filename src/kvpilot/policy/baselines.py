@@ -24,6 +24,7 @@ import bisect
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 from kvpilot.policy.breakeven import (
     ENGINE_THRESHOLDS,
@@ -42,6 +43,7 @@ class Oracle:
 
     name: str = "oracle"
     thresholds: PauseThresholds = ENGINE_THRESHOLDS
+    reads_tool_waits: ClassVar[bool] = False
 
     def decide(self, inputs: PauseInputs) -> PauseDecision:
         decision = decide_pause(inputs, self.thresholds)
@@ -83,6 +85,7 @@ class InferCept:
 
     name: str = "infercept"
     true_wait: bool = False
+    reads_tool_waits: ClassVar[bool] = True
 
     def decide(self, inputs: PauseInputs) -> PauseDecision:
         if not self.true_wait:
@@ -135,6 +138,7 @@ def continuum_ttl(inputs: PauseInputs, default_ttl_s: float) -> float:
 class Continuum:
     default_ttl_s: float = 10.0
     name: str = "continuum"
+    reads_tool_waits: ClassVar[bool] = True
 
     def decide(self, inputs: PauseInputs) -> PauseDecision:
         ttl = continuum_ttl(inputs, self.default_ttl_s)

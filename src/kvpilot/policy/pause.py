@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 from kvpilot.errors import ConfigError
 from kvpilot.policy.baselines import Continuum, InferCept, Oracle
@@ -42,6 +42,12 @@ class PausePolicy(Protocol):
 
     @property
     def name(self) -> str: ...
+
+    @property
+    def reads_tool_waits(self) -> bool:
+        """Whether `decide` or `lease_s` read `PauseInputs.tool_waits` (the engine copies a
+        tool's recent waits into every pause's inputs only for a policy that does)."""
+        ...
 
     def decide(self, inputs: PauseInputs) -> PauseDecision:
         """The action for one paused trajectory."""
@@ -64,6 +70,7 @@ class BreakEven:
 
     name: str = "breakeven"
     thresholds: PauseThresholds = ENGINE_THRESHOLDS
+    reads_tool_waits: ClassVar[bool] = False
 
     def decide(self, inputs: PauseInputs) -> PauseDecision:
         return decide_pause(inputs, self.thresholds)
@@ -78,6 +85,7 @@ class Always:
 
     name: str
     action: PauseAction
+    reads_tool_waits: ClassVar[bool] = False
 
     def decide(self, inputs: PauseInputs) -> PauseDecision:
         size = format_bytes(inputs.kv_bytes)
@@ -101,6 +109,7 @@ class TimeToLive:
 
     ttl_s: float = 10.0
     name: str = "ttl"
+    reads_tool_waits: ClassVar[bool] = False
 
     def decide(self, inputs: PauseInputs) -> PauseDecision:
         size, lease = format_bytes(inputs.kv_bytes), format_seconds(self.ttl_s)
