@@ -161,3 +161,13 @@ def test_a_pause_time_written_behind_the_books_back_is_caught() -> None:
     book["a"].paused_at = 1.0  # not through the book: the retained index is stale
     with pytest.raises(AssertionError, match="index of retained records"):
         book.check_invariants()
+
+
+def test_an_expected_return_written_behind_the_books_back_is_caught() -> None:
+    """The retained index holds each record's expected return (fixed while it is retained):
+    a change made behind the book's back leaves it stale, and the audit says so."""
+    book = PauseBook()
+    book.file(record("a", 300.0, 0.0, 10.0))
+    book["a"].expected_return = 2.0
+    with pytest.raises(AssertionError, match="index of retained records"):
+        book.check_invariants()
