@@ -397,6 +397,21 @@ def test_snapshot_is_a_frozen_copy_of_the_engine_figures() -> None:
     assert after.generated_tokens == 5 and engine.snapshot().generated_tokens == 10
 
 
+def test_a_request_output_is_an_immutable_snapshot() -> None:
+    engine = make_engine()
+    rid = engine.add_request(prompt(1, 40), SamplingParams(max_tokens=5, ignore_eos=True))
+    engine.step()
+    early = engine.get_output(rid)
+    with pytest.raises(AttributeError):
+        early.finished = True  # type: ignore[misc]
+    while engine.has_unfinished():
+        engine.step()
+    final = engine.get_output(rid)
+    assert not early.finished and len(early.token_ids) == 1 and early.finish_time is None
+    assert final.finished and len(final.token_ids) == 5 and final.finish_time is not None
+    assert final.prompt_tokens == 40 and final.prompt_token_ids == tuple(prompt(1, 40))
+
+
 def test_finished_requests_are_freed_without_the_cyclic_collector() -> None:
     """A finished request lets go of its sequences (which refer back to it) once its output
     is filed: plain, forked, session and aborted requests are all freed by reference
