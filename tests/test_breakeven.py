@@ -321,3 +321,10 @@ def test_a_lazy_reason_reads_as_a_field_in_copies_pickles_and_comparisons() -> N
     assert d != dataclasses.replace(d, reason="Other.")
     with pytest.raises(AttributeError):
         d.no_such_figure  # type: ignore[attr-defined]  # noqa: B018
+
+
+def test_pause_inputs_are_values_equal_and_hashed_by_their_figures() -> None:
+    copy = dataclasses.replace(NAPKIN_0_6)
+    assert copy is not NAPKIN_0_6 and copy == NAPKIN_0_6 and hash(copy) == hash(NAPKIN_0_6)
+    assert dataclasses.replace(NAPKIN_0_6, expected_wait_s=1.0) != NAPKIN_0_6
+    assert {NAPKIN_0_6: 1}[copy] == 1

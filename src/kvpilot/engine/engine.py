@@ -366,7 +366,7 @@ class Engine:
         if not request.finished or request.request_id in self._finished_outputs:
             return
         self.stats.observe_finished(request, self.clock.now())
-        output = self._snapshot(request)
+        output = snapshot(request, self.tokenizer)  # not filed yet (checked above)
         self._finished_outputs[request.request_id] = output
         if request.session_id is not None:
             self.sessions.end_turn(request)

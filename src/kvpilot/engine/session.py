@@ -277,7 +277,8 @@ class SessionTable(Mapping[str, Session]):
         session.last_used = self.now()
         self.offload.session_idle(session)
         if request.pause_hint is not None and not request.aborted:
-            self.pause(session, *request.pause_hint)
+            # Open (in the table) and idle (just now): what `pause` would check first.
+            self.offload.pause(session, *request.pause_hint)
 
     def _check_open(self, session: Session) -> None:
         if session.closed:

@@ -126,7 +126,13 @@ def clamp_wait_s(wait_s: float) -> float:
     return min(float(wait_s), MAX_WAIT_S)
 
 
-@dataclass(frozen=True, slots=True)
+# The engine builds a `PauseInputs` and a `PauseDecision` per pause. Neither is frozen: a
+# frozen dataclass's generated __init__ sets each field through object.__setattr__, which
+# CPython 3.11 runs at ~1,300 instructions a field against ~100 for a plain slot store
+# (27 fields: ~35k instructions a pause). Both are values all the same: nothing assigns to
+# them once built (`dataclasses.replace` makes changed copies), and they hash by value
+# (``unsafe_hash``: the hash a frozen dataclass would have).
+@dataclass(slots=True, unsafe_hash=True)
 class PauseInputs:
     """What the rule needs to know about one paused trajectory and the machine.
 
@@ -210,7 +216,7 @@ class PauseInputs:
         return 2.0 * self.num_params * self.num_tokens / self.prefill_flops_per_s
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, unsafe_hash=True)  # a value, not frozen: see `PauseInputs`
 class PauseDecision:
     """The action, a sentence saying why, and every figure the rule looked at.
 
