@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import itertools
 import random
@@ -410,6 +411,8 @@ def test_a_request_output_is_an_immutable_snapshot() -> None:
     assert not early.finished and len(early.token_ids) == 1 and early.finish_time is None
     assert final.finished and len(final.token_ids) == 5 and final.finish_time is not None
     assert final.prompt_tokens == 40 and final.prompt_token_ids == tuple(prompt(1, 40))
+    (branch,) = final.outputs  # a value: equal and hashed by its fields
+    assert {branch: 1}[dataclasses.replace(branch)] == 1 and branch != early.outputs[0]
 
 
 def test_finished_requests_are_freed_without_the_cyclic_collector() -> None:
