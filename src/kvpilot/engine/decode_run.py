@@ -163,6 +163,11 @@ def advance_decode_run(
         return 0
     if sched.waiting and n < cfg.max_num_batched_tokens and n < cfg.max_num_seqs:
         return 0
+    # The sequence admitted last is the one most often still prefilling: it alone refuses
+    # about a third of the calls that get here, before the loop below walks the others.
+    newest = running[-1].traj
+    if len(newest.tokens) - newest.num_computed_tokens != 1:
+        return 0
     executor, clock, offload, kv = engine.executor, engine.clock, engine.offload, engine.kv
     run_clock = getattr(executor, "decode_run_clock", None)
     if run_clock is None or getattr(clock, "move", None) is None:
@@ -193,20 +198,24 @@ def advance_decode_run(
         params = request.params
         if (params.stop and text_stops) or (params.n > 1 and not request.forked):
             return 0
-        # Steps up to and including the one sampling the last token (max_tokens, length);
-        # that one is left to step() unless the run may finish this sequence.
+        # Steps up to and including the one sampling the last token (max_tokens, length).
         last = min(params.max_tokens - len(seq.output_token_ids), max_len - tokens)
-        if last <= k_max:  # else it does not bound the run, finishing or not
-            may_finish = finished is not None and _session_turn(engine, seq)
-            k_max = min(k_max, last if may_finish else last - 1)
-        stop: Collection[int] = params.stop_token_ids
-        if eos and not params.ignore_eos:
-            stop = frozenset(stop) | eos
-        if stop:
+        if params.stop_token_ids or (eos and not params.ignore_eos):  # it may stop early
+            stop: Collection[int] = params.stop_token_ids
+            if eos and not params.ignore_eos:
+                stop = eos.union(stop)
             stopping.append((len(positions), stop))
         positions.append(p)
         firsts.append(len(traj.block_table) * block - p)
         lasts.append(last)
+    # The step sampling a last token is left to step() unless the run may finish every
+    # sequence whose last token it samples. Only the soonest to end can bound the run:
+    # another's last step, or the one before it, is not earlier.
+    soonest = min(lasts)
+    if soonest <= k_max:
+        ends = [running[i] for i, last in enumerate(lasts) if last == soonest]
+        may_finish = finished is not None and all(_session_turn(engine, seq) for seq in ends)
+        k_max = soonest if may_finish else soonest - 1
     if k_max < 2:
         return 0
     durations, starts = run_clock(positions, now, until, k_max)
@@ -333,48 +342,45 @@ def _apply(
         traj.append_tokens(tokens, ids)
     assert finished is not None or not ending, "a run finishes sequences only when asked"
     events.sort()
-    events.append((k, False, n))  # none at step k: the run's end
+    events.append((k, False, n))  # not an event: the run's end
     gaps = list(map(sub, starts[1:], starts))  # what stepping records as each step's time
     move = clock.move  # type: ignore[attr-defined]
     shown = starts[0]  # what the clock shows: nothing but the run may move it
     poll_j = _first_poll(starts, offload.next_poll_at(), 0, k)
     last_count = n - len(ending)  # the last step's tokens (ending sequences' are counted apart)
     recorded = 1  # steps whose inter-token latencies are in itl
-    e = 0  # events[e]: the next allocation or commit, at step event_j
-    event_j = events[0][0]
     looks.append(k)
     lk = 0  # looks[lk]: the next boundary to look at
-    # As Engine.step at each step: poll, schedule (allocate), execute, commit. The steps
-    # visited: the next event's, look's or poll's (poll_j: the first step from here whose
-    # start is at or past poll_at; it moves only when a poll moves poll_at).
-    while True:
-        j = min(event_j, looks[lk], poll_j)
-        if j >= k:
+    stop_j = min(looks[0], poll_j)  # the next step to look or poll at (k: none)
+    # As Engine.step at each step: poll, schedule (allocate), execute, commit. Only the steps
+    # of an event, a look or a poll are visited (poll_j: the first step from here whose start
+    # is at or past poll_at; it moves only when a poll moves poll_at). Allocating reads no
+    # clock: only looks, polls and commits move it.
+    for j, is_commit, i in events:
+        while stop_j <= j and stop_j < k:  # looks and polls come before the step's events
+            move(shown, starts[stop_j])
+            shown = starts[stop_j]
+            if stop_j == looks[lk]:  # the state after stop_j steps, before polls and allocations
+                assert lookout is not None
+                _record_itls(itl, n, gaps, recorded, stop_j, last_count)
+                recorded = stop_j
+                lookout.look()
+                lk += 1
+            if stop_j == poll_j:
+                offload.poll()
+                poll_j = _first_poll(starts, offload.next_poll_at(), stop_j + 1, k)
+            stop_j = min(looks[lk], poll_j)
+        if j == k:
             break
-        move(shown, starts[j])
-        shown = starts[j]
-        if j == looks[lk]:  # the state after j steps, before step j polls and allocates
-            assert lookout is not None
-            _record_itls(itl, n, gaps, recorded, j, last_count)
-            recorded = j
-            lookout.look()
-            lk += 1
-        if j == poll_j:
-            offload.poll()
-            poll_j = _first_poll(starts, offload.next_poll_at(), j + 1, k)
-        while event_j == j:
-            _, is_commit, i = events[e]
-            e += 1
-            event_j = events[e][0]
-            traj = running[i].traj
-            if not is_commit:
-                traj.allocate(positions[i] + j + 1 - traj.num_computed_tokens)
-                continue
-            if shown != starts[j + 1]:  # commits come after the step's execution
-                move(shown, starts[j + 1])
-                shown = starts[j + 1]
-            traj.mark_computed(positions[i] + j + 1 - traj.num_computed_tokens)
-            traj.commit()
+        traj = running[i].traj
+        if not is_commit:
+            traj.allocate(positions[i] + j + 1 - traj.num_computed_tokens)
+            continue
+        if shown != starts[j + 1]:  # commits come after the step's execution
+            move(shown, starts[j + 1])
+            shown = starts[j + 1]
+        traj.mark_computed(positions[i] + j + 1 - traj.num_computed_tokens)
+        traj.commit()
     move(shown, starts[k])
     stats.step_time_s = reduce(add, gaps, stats.step_time_s)  # in order, as observe_step
     end_time = starts[k]
