@@ -199,7 +199,10 @@ def advance_decode_run(
         if (params.stop and text_stops) or (params.n > 1 and not request.forked):
             return 0
         # Steps up to and including the one sampling the last token (max_tokens, length).
-        last = min(params.max_tokens - len(seq.output_token_ids), max_len - tokens)
+        # NOTE: conditionals, not min() and max(), on this path: a builtin call costs more.
+        last = params.max_tokens - len(seq.output_token_ids)
+        if max_len - tokens < last:
+            last = max_len - tokens
         if params.stop_token_ids or (eos and not params.ignore_eos):  # it may stop early
             stop: Collection[int] = params.stop_token_ids
             if eos and not params.ignore_eos:
@@ -321,17 +324,23 @@ def _apply(
             events.append((j, False, i))
         if commit:
             locked = traj.locked_tokens // block
-            first = max(0, (locked + 1) * block - p - 1)  # the first step whose commit adds
+            first = (locked + 1) * block - p - 1  # the first step whose commit adds
+            if first < 0:
+                first = 0
             if first < k:
                 # Later commits extend one leaf: only the last one shows (its blocks, its
                 # access time), at the last step that completes a block.
                 last = (p + k) // block * block - p - 1
-                if first < last and not _extends_in_place(traj):
+                if first < last:
+                    if not _extends_in_place(traj):
+                        events.append((first, True, i))
+                    events.append((last, True, i))
+                else:
                     events.append((first, True, i))
-                events.append((max(first, last), True, i))
         itl.append(first_end - seq.last_token_time)  # type: ignore[operator]
-        drawn = stream(seq.seed, len(seq.output_token_ids), k, lasts[i])
-        a = len(seq.output_token_ids) - drawn.first
+        generated = len(seq.output_token_ids)
+        drawn = stream(seq.seed, generated, k, lasts[i])
+        a = generated - drawn.first
         b = a + k
         if lasts[i] <= k:  # its last token is appended by end_decode_run, which finishes it
             b -= 1
