@@ -265,7 +265,7 @@ def _record_itls(itl: list[float], n: int, gaps: list[float], a: int, b: int, la
     sequences (``gaps[j]``: step ``j``'s; ``last``: how many tokens its final step counts),
     in step order, each step's once per token it counts."""
     k = len(gaps)
-    full = min(b, k - 1)  # steps a .. full-1 count n tokens each
+    full = b if b < k - 1 else k - 1  # steps a .. full-1 count n tokens each
     if full > a:
         steps = gaps[a:full]
         if n < len(steps):  # fewer slices than steps: interleave n copies of the gaps
@@ -286,7 +286,8 @@ def _first_poll(starts: list[float], poll_at: float, lo: int, k: int) -> int:
     the margin only adds harmless early ones."""
     if poll_at == math.inf:
         return k
-    return bisect_left(starts, poll_at - 1e-9 * max(1.0, abs(poll_at)), lo, k)
+    scale = abs(poll_at)
+    return bisect_left(starts, poll_at - 1e-9 * (scale if scale > 1.0 else 1.0), lo, k)
 
 
 def _apply(
@@ -360,7 +361,7 @@ def _apply(
     recorded = 1  # steps whose inter-token latencies are in itl
     looks.append(k)
     lk = 0  # looks[lk]: the next boundary to look at
-    stop_j = min(looks[0], poll_j)  # the next step to look or poll at (k: none)
+    stop_j = looks[0] if looks[0] < poll_j else poll_j  # the next look or poll (k: none)
     # As Engine.step at each step: poll, schedule (allocate), execute, commit. Only the steps
     # of an event, a look or a poll are visited (poll_j: the first step from here whose start
     # is at or past poll_at; it moves only when a poll moves poll_at). Allocating reads no
@@ -378,7 +379,7 @@ def _apply(
             if stop_j == poll_j:
                 offload.poll()
                 poll_j = _first_poll(starts, offload.next_poll_at(), stop_j + 1, k)
-            stop_j = min(looks[lk], poll_j)
+            stop_j = looks[lk] if looks[lk] < poll_j else poll_j
         if j == k:
             break
         traj = running[i].traj
