@@ -270,8 +270,10 @@ def test_decode_run_durations_equal_each_steps_time_to_the_last_bit(
         RooflineCostModel(GEMMA_LIKE, parse_node("h100"), 1),
         RooflineCostModel(resolve_geometry("llama-3-70b"), parse_node("8xh100"), 8),
         CalibratedCostModel(_profile()),
+        # compute-bound for larger batches: the general loop as well as the memory-bound one
+        RooflineCostModel(resolve_geometry("llama-3-8b"), parse_node("h100"), 1, mfu=0.02),
     ],
-    ids=["roofline-hybrid", "roofline", "calibrated"],
+    ids=["roofline-hybrid", "roofline", "calibrated", "roofline-compute-bound"],
 )
 @settings(deadline=None)
 @given(

@@ -354,6 +354,19 @@ class RooflineCostModel:
         durations: list[float] = []
         starts = [start]
         t = start
+        if linear <= weights and s_pair <= s_kv:
+            # Memory-bound at every context: compute <= memory term by term, and rounding is
+            # monotone, so `compute > memory` never holds in floats either. The same sums
+            # as below, without the compute side.
+            for _ in range(max_steps):
+                dt = weights + s_kv * tokens + overhead
+                t += dt
+                durations.append(dt)
+                starts.append(t)
+                if t >= until:
+                    break
+                tokens += n
+            return durations, starts
         for _ in range(max_steps):  # the same operations, in the same order, as step_time_s
             compute = linear + s_pair * tokens
             memory = weights + s_kv * tokens
