@@ -302,8 +302,10 @@ def _apply(
     ``lookout`` looks at the engine at the boundaries ``looks``.
 
     Only the steps where something happens are visited (a look, an offload poll due, an
-    allocation or a commit); the clock jumps to each one's start: ``starts`` are the sums the
-    clock's own additions would give, so it shows the same times as stepping."""
+    allocation or a commit), in one pass over the sorted events; the clock jumps to each
+    look's and poll's step start and to each commit's step end (allocating reads no clock):
+    ``starts`` are the sums the clock's own additions would give, so it shows the same times
+    as stepping."""
     positions, firsts, lasts, durations, starts = run
     k = len(durations)
     running = list(engine.scheduler.running)
