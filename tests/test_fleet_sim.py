@@ -11,6 +11,7 @@ from kvpilot.fleet.sim_report import FleetResult
 from kvpilot.memory import Tier
 from kvpilot.sim.build import SimSetup, build_engine
 from kvpilot.sim.replay import ReplayCall, ReplaySession
+from kvpilot.sim.trajectories import TurnSpec
 from kvpilot.sim.workload import WorkloadConfig
 
 SETUP = SimSetup(model="llama-3-8b", node="1xh100", kv_blocks=3000, duration_s=40.0)
@@ -76,6 +77,29 @@ def test_kvpilot_routes_near_the_ideal_and_beats_round_robin() -> None:
     assert kv.hit_rate >= 0.95 * kv.ideal_hit_rate
     assert kv.hit_rate <= kv.ideal_hit_rate + 0.02
     assert kv.hit_rate > rr.hit_rate + 0.05
+
+
+def test_agent_prompts_are_the_family_prefix_then_history_then_turn_content() -> None:
+    """The driver takes each turn's ids from `trajectory_ids` (one hash per trajectory):
+    they must be `content` of the turn's seed, after the family's prefix or the history."""
+    driver = FleetAgentDriver(WORKLOAD, families=3)
+    sent: list[tuple[int, TurnSpec, list[int], list[int]]] = []
+    send = driver._send
+
+    def record(actor, prompt):  # type: ignore[no-untyped-def]
+        sent.append((actor.family, actor.turns[actor.turn], list(actor.context), prompt))
+        send(actor, prompt)
+
+    driver._send = record  # type: ignore[method-assign]
+    fleet("kvpilot").run(driver)
+    assert len(sent) > 50
+    content = driver.trajectories.content
+    forks = 0
+    for family, turn, context, prompt in sent:
+        head = context or driver.generators[family].shared_ids
+        forks += turn.fork is not None
+        assert prompt == head + content(turn.content_seed, turn.new_tokens)
+    assert forks > 0
 
 
 def test_directory_follows_the_replicas_through_delayed_events() -> None:

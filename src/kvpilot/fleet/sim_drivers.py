@@ -25,7 +25,7 @@ from kvpilot.errors import ConfigError
 from kvpilot.fleet.sim import FleetDriver, FleetSession, FleetSimulator
 from kvpilot.sim.arrivals import Arrivals, pause_hint
 from kvpilot.sim.replay import ReplaySession
-from kvpilot.sim.trajectories import TrajectorySpec, TurnSpec, WorkloadGenerator
+from kvpilot.sim.trajectories import TrajectoryIds, TrajectorySpec, TurnSpec, WorkloadGenerator
 from kvpilot.sim.workload import WorkloadConfig
 
 
@@ -33,6 +33,7 @@ from kvpilot.sim.workload import WorkloadConfig
 class _Actor:
     uid: int
     family: int
+    ids: TrajectoryIds  # the trajectory's content ids, its branches' included
     turns: tuple[TurnSpec, ...]
     session: FleetSession
     context: list[int]
@@ -97,11 +98,10 @@ class FleetAgentDriver(FleetDriver):
         spec: TrajectorySpec = self.trajectories.trajectory(index)
         family = self._rng.choices(range(len(self.generators)), self._family_weights)[0]
         gen = self.generators[family]
-        actor = _Actor(next(self._uids), family, spec.turns, self.fleet.open_session(), [])
+        ids = self.trajectories.trajectory_ids(spec)
+        actor = _Actor(next(self._uids), family, ids, spec.turns, self.fleet.open_session(), [])
         self.started += 1
-        first = spec.turns[0]
-        prompt = gen.shared_ids + self.trajectories.content(first.content_seed, first.new_tokens)
-        self._send(actor, prompt)
+        self._send(actor, gen.shared_ids + ids.turn(spec.turns[0]).tolist())
 
     def _send(self, actor: _Actor, prompt: list[int]) -> None:
         turn = actor.turns[actor.turn]
@@ -129,6 +129,7 @@ class FleetAgentDriver(FleetDriver):
                 child = _Actor(
                     next(self._uids),
                     actor.family,
+                    actor.ids,
                     turns,
                     self.fleet.open_session(),
                     list(actor.context),
@@ -152,8 +153,7 @@ class FleetAgentDriver(FleetDriver):
         self.fleet.after(turn.wait_before_s, lambda: self._next_call(actor))
 
     def _next_call(self, actor: _Actor) -> None:
-        turn = actor.turns[actor.turn]
-        new = self.trajectories.content(turn.content_seed, turn.new_tokens)
+        new = actor.ids.turn(actor.turns[actor.turn]).tolist()
         self._send(actor, actor.context + new)
 
     def _end(self, actor: _Actor) -> None:
