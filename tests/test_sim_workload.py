@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 import numpy as np
@@ -11,7 +12,14 @@ from hypothesis import strategies as st
 
 from kvpilot.errors import ConfigError
 from kvpilot.sim.distributions import Dist, parse_dist
-from kvpilot.sim.trajectories import _MASK64, WorkloadGenerator, _ids, _mix64
+from kvpilot.sim.trajectories import (
+    _MASK64,
+    ForkSpec,
+    TurnSpec,
+    WorkloadGenerator,
+    _ids,
+    _mix64,
+)
 from kvpilot.sim.workload import DEFAULT_WORKLOAD_YAML, WorkloadConfig
 
 
@@ -261,5 +269,90 @@ def test_tool_draws_are_random_choices_draws(weights: list[float], seed: int) ->
     g = WorkloadGenerator(config)
     ours, theirs = random.Random(seed), random.Random(seed)
     for _ in range(30):
-        assert g._tool(ours) == theirs.choices(config.tools, weights=weights)[0]
+        assert g._tool(ours)[0] == theirs.choices(config.tools, weights=weights)[0].name
     assert ours.random() == theirs.random()
+
+
+_BOUNDS = st.sampled_from([-math.inf, 0.0, 1.0, 5.0]), st.sampled_from([math.inf, 3.0, 50.0])
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    kind=st.sampled_from(["fixed", "uniform", "lognormal", "pareto", "exponential"]),
+    a=st.floats(0.5, 200),
+    b=st.floats(0.1, 3),
+    lo=_BOUNDS[0],
+    hi=_BOUNDS[1],
+    minimum=st.integers(0, 4),
+    seed=st.integers(0, 2**32),
+)
+def test_samplers_draw_what_sample_draws(
+    kind: str, a: float, b: float, lo: float, hi: float, minimum: int, seed: int
+) -> None:
+    """`Dist.sampler` / `int_sampler` (the generator's) are `sample` / `sample_int`, draw
+    for draw and float for float, clamped or not, leaving the generator in the same state."""
+    d = Dist(kind, a, a + b if kind == "uniform" else b, lo=min(lo, hi), hi=hi)
+    draw, draw_int = d.sampler(), d.int_sampler(minimum)
+    ours, theirs = random.Random(seed), random.Random(seed)
+    for _ in range(20):
+        x, y = draw(ours), d.sample(theirs)
+        assert x == y and type(x) is type(y)
+        assert draw_int(ours) == d.sample_int(theirs, minimum)
+    assert ours.random() == theirs.random()
+
+
+def _reference_turns(
+    cfg: WorkloadConfig, rng: random.Random, n: int, budget: int, depth: int, first: bool
+) -> list[TurnSpec]:
+    """`WorkloadGenerator._turns` as plainly as it reads: `Dist.sample_int`, `choices`."""
+    out: list[TurnSpec] = []
+    br = cfg.branching
+    for i in range(n):
+        starting = first and i == 0
+        new = (cfg.task_tokens if starting else cfg.observation_tokens).sample_int(rng, 1)
+        output = cfg.output_tokens.sample_int(rng, 1)
+        wait, tool = 0.0, ""
+        if not starting:
+            spec = rng.choices(cfg.tools, weights=[t.weight for t in cfg.tools])[0]
+            wait, tool = max(0.0, spec.wait_s.sample(rng)), spec.name
+        seed = rng.getrandbits(63)
+        fork = None
+        if depth < br.max_depth and br.probability > 0 and rng.random() < br.probability:
+            fork = [
+                (br.branch_turns.sample_int(rng, 1), rng.getrandbits(63))
+                for _ in range(br.fork_factor)
+            ]
+        if starting and new + output > budget >= 2:
+            output = min(output, max(1, budget // 4))
+            new = budget - output
+        if new + output > budget:
+            break
+        budget -= new + output
+        fork_spec = None
+        if fork is not None:
+            branches = [
+                tuple(_reference_turns(cfg, random.Random(s), k, budget, depth + 1, False))
+                for k, s in fork
+            ]
+            branches = [b for b in branches if b]
+            fork_spec = ForkSpec(tuple(branches)) if branches else None
+        out.append(TurnSpec(wait, tool, new, output, seed, fork_spec))
+    return out
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 1000), index=st.integers(0, 200), fork=st.sampled_from([0.0, 0.3]))
+def test_trajectories_are_the_plain_draws(seed: int, index: int, fork: float) -> None:
+    """The generator's bound samplers draw the trajectory the plain code draws."""
+    config = WorkloadConfig.from_dict(
+        {
+            "seed": seed,
+            "trajectory": {"max_context_tokens": 6000},
+            "branching": {"probability": fork, "fork_factor": 2, "max_depth": 2},
+        }
+    )
+    rng = random.Random(f"{seed}:trajectory:{index}")
+    n = config.turns.sample_int(rng, minimum=1)
+    budget = config.max_context_tokens - config.shared_tokens - 1
+    turns = tuple(_reference_turns(config, rng, n, budget, 0, True))
+    assert WorkloadGenerator(config).trajectory(index).turns == turns

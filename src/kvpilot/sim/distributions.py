@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,6 +76,36 @@ class Dist:
     def sample_int(self, rng: random.Random, minimum: int = 0) -> int:
         return max(minimum, round(self.sample(rng)))
 
+    def sampler(self) -> Callable[[random.Random], float]:
+        """`sample` with the kind chosen and the parameters bound once: the same calls on
+        ``rng`` and the same floats, for the workload generator's draws (a few per turn).
+        The clamp is `_clamp`, `sample`'s ``min(max(x, lo), hi)`` without min and max's
+        argument parsing (most of their cost)."""
+        a, b, lo, hi = self.a, self.b, self.lo, self.hi
+        kind = self.kind
+        if kind == "fixed":
+            x = _clamp(a, lo, hi)
+            return lambda rng: x
+        if kind == "uniform":
+            return lambda rng: _clamp(rng.uniform(a, b), lo, hi)
+        if kind == "lognormal":
+            exp = math.exp
+            return lambda rng: _clamp(a * exp(rng.gauss(0.0, b)), lo, hi)
+        if kind == "pareto":
+            return lambda rng: _clamp(a * rng.paretovariate(b), lo, hi)
+        rate = 1.0 / a
+        return lambda rng: _clamp(rng.expovariate(rate), lo, hi)
+
+    def int_sampler(self, minimum: int = 0) -> Callable[[random.Random], int]:
+        """`sample_int` as `sampler` binds `sample`."""
+        draw = self.sampler()
+
+        def draw_int(rng: random.Random) -> int:
+            n = round(draw(rng))
+            return n if n > minimum else minimum  # max(minimum, n)
+
+        return draw_int
+
     def median(self) -> float:
         """The distribution's median before clamping (for summaries and hints)."""
         k = self.kind
@@ -97,6 +128,13 @@ class Dist:
         if self.lo > -math.inf or self.hi < math.inf:
             clamp = f" in [{self.lo:g}, {self.hi:g}]"
         return f"{self.kind}({args}){clamp}"
+
+
+def _clamp(x: float, lo: float, hi: float) -> float:
+    """``min(max(x, lo), hi)``, the same float: max keeps ``x`` unless ``lo > x``, min keeps
+    that unless ``hi`` is less (so a NaN passes through, as with min and max)."""
+    x = lo if lo > x else x
+    return hi if hi < x else x
 
 
 def parse_dist(value: Any, where: str) -> Dist:

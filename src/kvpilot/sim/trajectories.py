@@ -12,13 +12,13 @@ import itertools
 import random
 from array import array
 from bisect import bisect_right
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
 
 from kvpilot.errors import ConfigError
-from kvpilot.sim.workload import ToolSpec, WorkloadConfig
+from kvpilot.sim.workload import WorkloadConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +92,12 @@ class WorkloadGenerator:
         # it draws ``tools[bisect(cum, random() * total, 0, n - 1)]`` (`_tool`).
         self._tool_cum = list(itertools.accumulate(t.weight for t in config.tools))
         self._tool_total = self._tool_cum[-1] + 0.0
+        # Each quantity's draw with its distribution bound once (`Dist.sampler`).
+        self._draw_task = config.task_tokens.int_sampler(1)
+        self._draw_observation = config.observation_tokens.int_sampler(1)
+        self._draw_output = config.output_tokens.int_sampler(1)
+        self._draw_branch_turns = config.branching.branch_turns.int_sampler(1)
+        self._tool_waits = [(t.name, t.wait_s.sampler()) for t in config.tools]
         hi = config.vocab_size
         self.system_ids = _ids((config.seed, 1), config.system_tokens, hi)
         self.tool_ids = _ids((config.seed, 2), config.tool_tokens, hi)
@@ -178,33 +184,39 @@ class WorkloadGenerator:
             )
         return TrajectorySpec(index, tuple(turns))
 
-    def _tool(self, rng: random.Random) -> ToolSpec:
-        """``rng.choices(tools, weights)[0]``: the same draw, the same tool."""
+    def _tool(self, rng: random.Random) -> tuple[str, Callable[[random.Random], float]]:
+        """``rng.choices(tools, weights)[0]``: the same draw, the same tool (its name and
+        wait's sampler)."""
         cum = self._tool_cum
-        return self.config.tools[
-            bisect_right(cum, rng.random() * self._tool_total, 0, len(cum) - 1)
-        ]
+        return self._tool_waits[bisect_right(cum, rng.random() * self._tool_total, 0, len(cum) - 1)]
 
     def _turns(
         self, rng: random.Random, n: int, budget: int, depth: int, first: bool
     ) -> list[TurnSpec]:
-        cfg = self.config
+        """Up to ``n`` turns within ``budget`` tokens. The draws per turn, in this order:
+        new tokens, output tokens, tool and its wait (not before the first turn), content
+        seed, and, while ``depth`` allows forks, whether to fork (then each branch's turns
+        and seed)."""
+        br = self.config.branching
+        draw_output = self._draw_output
+        may_fork = depth < br.max_depth and br.probability > 0
         out: list[TurnSpec] = []
         for i in range(n):
             starting = first and i == 0
-            new = (cfg.task_tokens if starting else cfg.observation_tokens).sample_int(rng, 1)
-            output = cfg.output_tokens.sample_int(rng, 1)
             if starting:
+                new = self._draw_task(rng)
+                output = draw_output(rng)
                 wait, tool = 0.0, ""
             else:
-                spec = self._tool(rng)
-                wait, tool = max(0.0, spec.wait_s.sample(rng)), spec.name
+                new = self._draw_observation(rng)
+                output = draw_output(rng)
+                tool, draw_wait = self._tool(rng)
+                wait = max(0.0, draw_wait(rng))
             seed = rng.getrandbits(63)
             fork = None
-            br = cfg.branching
-            if depth < br.max_depth and br.probability > 0 and rng.random() < br.probability:
+            if may_fork and rng.random() < br.probability:
                 fork = [
-                    (br.branch_turns.sample_int(rng, 1), rng.getrandbits(63))
+                    (self._draw_branch_turns(rng), rng.getrandbits(63))
                     for _ in range(br.fork_factor)
                 ]
             if starting and new + output > budget >= 2:
