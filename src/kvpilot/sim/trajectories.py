@@ -58,21 +58,18 @@ class TrajectorySpec:
 class TrajectoryIds:
     """The content ids of one trajectory's turns (`WorkloadGenerator.trajectory_ids`)."""
 
-    __slots__ = ("_at", "_bytes", "_itemsize", "_typecode")
+    __slots__ = ("_at", "_ids")
 
     def __init__(self, ids: np.ndarray, at: dict[tuple[int, int], int], typecode: str) -> None:
-        self._bytes = ids.data.cast("B")
-        self._itemsize = ids.itemsize
+        self._ids = array(typecode)
+        self._ids.frombytes(ids.data.cast("B"))  # an array slices into arrays in one call
         self._at = at  # (content seed, tokens) -> where the turn's ids start
-        self._typecode = typecode
 
     def turn(self, turn: TurnSpec) -> array:
         """``turn``'s content ids: `WorkloadGenerator.content_ids` of its seed and length."""
         n = turn.new_tokens
-        start = self._at[turn.content_seed, n] * self._itemsize
-        out = array(self._typecode)
-        out.frombytes(self._bytes[start : start + n * self._itemsize])
-        return out
+        start = self._at[turn.content_seed, n]
+        return self._ids[start : start + n]
 
 
 def _every_turn(turns: tuple[TurnSpec, ...]) -> Iterator[TurnSpec]:
