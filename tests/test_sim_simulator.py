@@ -132,6 +132,30 @@ def test_each_turn_arrives_after_its_tool_wait() -> None:
     assert driver.completed == 3 and driver.started == 4
 
 
+def test_a_negative_delay_is_now_and_events_due_together_run_in_order() -> None:
+    engine, _ = build_engine(setup(), 32000)
+    sim = Simulator(engine, duration_s=10.0)
+    ran: list[str] = []
+
+    def first() -> None:
+        ran.append("a")
+        sim.after(-1.0, lambda: ran.append("c"))
+
+    sim.at(2.0, first)
+    sim.at(2.0, lambda: ran.append("b"))  # due with c (not a second before it): runs first
+    sim.after(3.0, lambda: ran.append("d"))
+
+    class Idle:
+        def start(self, sim: Simulator) -> None:
+            pass
+
+        def counters(self) -> dict[str, int]:
+            return {}
+
+    sim.run(Idle())
+    assert ran == ["a", "b", "c", "d"]
+
+
 def test_engine_idles_through_tool_waits_without_spinning() -> None:
     wl = workload(
         arrival={"concurrent": 1, "ramp_s": 0}, tools={"human": {"weight": 1, "wait": 500}}

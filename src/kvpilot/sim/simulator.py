@@ -35,7 +35,6 @@ import time
 from array import array
 from bisect import bisect_left
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Protocol
 
 from kvpilot.engine.decode_run import advance_decode_run
@@ -56,12 +55,6 @@ class Driver(Protocol):
     def start(self, sim: Simulator) -> None: ...
 
     def counters(self) -> dict[str, int]: ...
-
-
-@dataclass(slots=True)
-class _Pending:
-    on_done: OnDone
-    arrival_s: float
 
 
 class Simulator:
@@ -98,7 +91,7 @@ class Simulator:
         self.wall_s = 0.0
         self._events: list[tuple[float, int, Callable[[], None]]] = []
         self._seq = itertools.count()
-        self._pending: dict[str, _Pending] = {}
+        self._pending: dict[str, tuple[OnDone, float]] = {}  # by request: (on_done, arrival_s)
         self._params: dict[int, SamplingParams] = {}  # by max_tokens (`submit`)
         self._event_time: float | None = None
         self._next_sample = 0.0  # while a decode run takes samples (`plan_looks`, `look`)
@@ -115,7 +108,9 @@ class Simulator:
         heapq.heappush(self._events, (t, next(self._seq), fn))
 
     def after(self, delay_s: float, fn: Callable[[], None]) -> None:
-        self.at(self.now + max(0.0, delay_s), fn)
+        """Run ``fn`` ``delay_s`` from now (a negative delay is none)."""
+        delay_s = delay_s if delay_s > 0.0 else 0.0  # max(0.0, delay_s), NaN included
+        heapq.heappush(self._events, (self.clock.now() - self.t0 + delay_s, next(self._seq), fn))
 
     def submit(
         self,
@@ -151,7 +146,7 @@ class Simulator:
             return None
         if arrival_s is None:
             arrival_s = self.now if self._event_time is None else self._event_time
-        self._pending[rid] = _Pending(on_done, arrival_s)
+        self._pending[rid] = (on_done, arrival_s)
         return rid
 
     @property
@@ -288,15 +283,17 @@ class Simulator:
         self.engine.pop_output(rid)
         if pending is None:
             return
+        on_done, arrival_s = pending
         log = self.turns
-        log.arrival_s.append(pending.arrival_s)
+        t0 = self.t0
+        log.arrival_s.append(arrival_s)
         first = out.first_token_time
-        log.first_token_s.append(float("nan") if first is None else first - self.t0)
-        log.finish_s.append(self.now)
+        log.first_token_s.append(float("nan") if first is None else first - t0)
+        log.finish_s.append(self.clock.now() - t0)
         log.prompt_tokens.append(out.prompt_tokens)
         log.cached_tokens.append(out.cached_tokens)
         log.output_tokens.append(out.generated_tokens)
-        pending.on_done(out)
+        on_done(out)
 
     def _sample(self, now: float) -> None:
         engine = self.engine
