@@ -348,7 +348,12 @@ def test_trajectories_are_the_plain_draws(seed: int, index: int, fork: float) ->
         {
             "seed": seed,
             "trajectory": {"max_context_tokens": 6000},
+            "shared_prefix": {"system_tokens": 200, "tool_tokens": 100},
             "branching": {"probability": fork, "fork_factor": 2, "max_depth": 2},
+            "tools": {  # waits drawn below zero are none
+                "bash": {"weight": 2, "wait": {"dist": "uniform", "low": -2, "high": 3}},
+                "tests": {"weight": 1, "wait": {"dist": "lognormal", "median": 20, "sigma": 1}},
+            },
         }
     )
     rng = random.Random(f"{seed}:trajectory:{index}")

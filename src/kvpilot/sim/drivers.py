@@ -106,7 +106,7 @@ class AgentDriver:
         rid = self.sim.submit(
             prompt,
             turn.output_tokens,
-            functools.partial(self._done, actor),  # a partial calls on without a frame
+            lambda out: self._done(actor, out),
             session=actor.session,
             pause=self._pause_hint(actor),
         )
@@ -155,7 +155,7 @@ class AgentDriver:
             self.truncated += 1
             self._end(actor)
             return
-        self.sim.after(turn.wait_before_s, functools.partial(self._next_call, actor))
+        self.sim.after(turn.wait_before_s, lambda: self._next_call(actor))
 
     def _end(self, actor: _Actor) -> None:
         actor.session.close()

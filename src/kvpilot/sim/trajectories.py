@@ -212,7 +212,8 @@ class WorkloadGenerator:
                 new = self._draw_observation(rng)
                 output = draw_output(rng)
                 tool, draw_wait = self._tool(rng)
-                wait = max(0.0, draw_wait(rng))
+                wait = draw_wait(rng)
+                wait = wait if wait > 0.0 else 0.0  # max(0.0, wait), without the builtin's cost
             seed = rng.getrandbits(63)
             fork = None
             if may_fork and rng.random() < br.probability:
