@@ -104,6 +104,7 @@ class WorkloadGenerator:
         self.tool_ids = _ids((config.seed, 2), config.tool_tokens, hi)
         self._shared = array(_typecode(hi), self.system_ids + self.tool_ids)
         self._content_key = _key_seed((config.seed, 3))  # `content`'s key before the turn's
+        self._count = np.arange(0, dtype=np.uint64)  # `_counting`'s, grown as needed
 
     @property
     def shared_ids(self) -> list[int]:
@@ -150,11 +151,19 @@ class WorkloadGenerator:
         bases += np.uint64(_GOLDEN)
         _mix_in_place(bases)
         bases -= np.array(list(at.values()), dtype=np.uint64)
-        x = np.arange(total, dtype=np.uint64)
-        x += np.repeat(bases, lengths)
+        x = np.repeat(bases, lengths)
+        x += self._counting(total)
         code = _typecode(self.config.vocab_size)
         ids = _counter_ids(x, self.config.vocab_size).astype(_DTYPES[code])
         return TrajectoryIds(ids, at, code)
+
+    def _counting(self, n: int) -> np.ndarray:
+        """``np.arange(n, dtype=np.uint64)``, read-only: a view of one array kept and grown
+        by doubling (arange computes every item anew, a pass that costs as much as a mix step)."""
+        if len(self._count) < n:
+            self._count = np.arange(max(n, 2 * len(self._count)), dtype=np.uint64)
+            self._count.flags.writeable = False
+        return self._count[:n]
 
     def volatile_token(self, traj_index: int, call_index: int) -> int:
         rng = random.Random(f"{self.config.seed}:volatile:{traj_index}:{call_index}")
