@@ -162,6 +162,58 @@ class RadixEviction(ABC):
                     self._push(n, tier)
             n = n.parent
 
+    def relock(self, old: RadixNode, new: RadixNode) -> None:
+        """Move one lock from ``old`` to ``new``: `lock` of ``new`` then `unlock` of ``old``,
+        walking only the nodes whose count changes.
+
+        The two walks meet at the deepest common ancestor; from there up, one adds what the
+        other takes away (the common nodes stay locked, so neither walk changes what is
+        evictable there). Below it the counts, the evictable totals and the queue pushes (in
+        `unlock`'s order, from ``old`` up) are exactly those of the two calls.
+        """
+        if not new._alive:
+            raise ValueError("cannot lock a node that was evicted")
+        if old.lock_count <= 0:
+            raise ValueError(f"unlock of node at depth {old.depth_tokens} that is not locked")
+        a: RadixNode | None = new
+        b: RadixNode | None = old
+        while a is not b:  # depths strictly fall towards a root: climb the deeper side
+            assert a is not None and b is not None
+            if a.depth_tokens >= b.depth_tokens:
+                a = a.parent
+            else:
+                b = b.parent
+            if a is None or b is None:  # in two trees (salts): nothing is shared
+                self.lock(new)
+                self.unlock(old)
+                return
+        common = a
+        n: RadixNode | None = new
+        while n is not common and not n.lock_count:  # `lock`'s check, stopping as it does
+            assert n is not None
+            if Tier.DEVICE not in n.blocks and n.depth_tokens:
+                raise ValueError(
+                    f"cannot lock: node at depth {n.depth_tokens} has no device copy; load it first"
+                )
+            n = n.parent
+        n = new
+        while n is not common:
+            assert n is not None
+            if n.lock_count == 0 and n.depth_tokens:
+                for tier, ids in n.blocks.items():
+                    self._evictable[tier] -= len(ids)
+            n.lock_count += 1
+            n = n.parent
+        n = old
+        while n is not common:
+            assert n is not None
+            n.lock_count -= 1
+            if n.lock_count == 0 and n.depth_tokens:
+                for tier, ids in n.blocks.items():
+                    self._evictable[tier] += len(ids)
+                    self._push(n, tier)
+            n = n.parent
+
     # ---- eviction ----------------------------------------------------------------------
 
     def evict(self, num_blocks: int, tier: Tier = Tier.DEVICE) -> int:

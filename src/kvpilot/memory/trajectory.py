@@ -118,8 +118,7 @@ class Trajectory:
     def _lock_to(self, node: RadixNode) -> None:
         old = self.locked_node
         if node is not old:
-            self._radix.lock(node)
-            self._radix.unlock(old)
+            self._radix.relock(old, node)
             self.locked_node = node
         self._recount()
 
