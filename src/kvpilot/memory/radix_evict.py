@@ -21,6 +21,7 @@ from kvpilot.memory.radix_node import RadixNode, RadixObserver, RadixStats
 from kvpilot.memory.tiers import Tier
 
 TIER_BIT = {Tier.DEVICE: 1, Tier.HOST: 2, Tier.DISK: 4}
+DEVICE = Tier.DEVICE  # a module constant: an enum member's class attribute lookup is slow
 
 
 def is_candidate(node: RadixNode, tier: Tier) -> bool:
@@ -293,6 +294,56 @@ class RadixEviction(ABC):
             freed += self._after_release(node, tier)
         self.stats.evicted_blocks += freed
         return freed
+
+    def evict_one_for_reuse(self) -> int:
+        """`evict(1)` then the device pool's `allocate(1)` in one step (a decode step's block
+        under a full pool, the hot path): the block the eviction frees is handed on with the
+        tree's reference (refcount 1 now the caller's) instead of going through the free list.
+
+        The pair gives the same block: with the free list empty (why `evict` is called) and
+        LIFO, `allocate` pops what `evict` just freed. Only for evict's trim case (the top
+        candidate a fresh childless single-copy leaf of two or more blocks, its last block held
+        by the tree alone) and no `on_free` hook; otherwise -1 and nothing changes (the caller
+        does the pair).
+        """
+        heap = self._queues._heaps[DEVICE]
+        if not heap:
+            return -1
+        key, _, node = heap[0]
+        ids = node.blocks.get(DEVICE)
+        if (  # evict's ``hot`` test, and a trim (more than the one block wanted)
+            ids is None
+            or len(ids) < 2
+            or key != node.last_access
+            or node.children
+            or len(node.blocks) != 1
+            or node.lock_count
+            or not node._alive
+        ):
+            return -1
+        pool = self.pools[DEVICE]
+        block = ids[-1]
+        if pool._refcounts[block] != 1 or pool.on_free is not None:
+            return -1
+        if self.observer is not None:
+            self.observer.evicted(DEVICE, node.hashes[-HASH_BYTES:])
+        ids.pop()
+        bs = self.block_size
+        del node.tokens[-bs:]
+        if node._hashes is not None:
+            node._hashes = node._hashes[:-HASH_BYTES]
+        node.depth_tokens -= bs
+        self._cached[DEVICE] -= 1
+        self._evictable[DEVICE] -= 1
+        n = len(heap)  # `requeue_top`, when it has something to do (as in `evict`)
+        if (
+            (n > 1 and heap[1][0] <= key)
+            or (n > 2 and heap[2][0] <= key)
+            or n > 2 * self._num_nodes + 1024
+        ):
+            self._queues.requeue_top(DEVICE, self._num_nodes)
+        self.stats.evicted_blocks += 1
+        return block
 
     def _release(self, node: RadixNode, tier: Tier) -> int:
         """Drop ``node``'s copy in ``tier``; returns blocks that went back to the free list."""

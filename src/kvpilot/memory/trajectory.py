@@ -213,6 +213,12 @@ class Trajectory:
         if window is None:
             short = need - len(pool._free)  # pool.num_free, without a property call
             if short > 0:
+                if need == 1:  # a decode step's block under a full pool (the hot path)
+                    block = self._radix.evict_one_for_reuse()
+                    if block >= 0:
+                        self.block_table.append(block)
+                        self.num_private_blocks += 1
+                        return
                 self._radix.evict(short)
             self.block_table += pool.allocate(need)
             self.num_private_blocks += need

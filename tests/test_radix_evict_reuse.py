@@ -1,0 +1,112 @@
+"""`RadixCache.evict_one_for_reuse` (a full pool's one-block eviction handing the block on
+with the tree's reference) gives what `evict(1)` then `pool.allocate(1)` give: the same
+block, and the same tree, queue, pool and statistics after, or changes nothing and says -1."""
+
+from __future__ import annotations
+
+import itertools
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvpilot.memory import BlockPool, RadixCache, RadixNode, Tier
+
+B = 2
+STREAMS = [[1, 1, 2, 2, 3, 3, 4, 4], [1, 1, 2, 2, 5, 5], [1, 1, 6, 6, 7, 7, 8, 8], [9, 9, 1, 1]]
+
+
+def build(prefixes: list[tuple[int, int]], locks: list[int], held: list[int]) -> RadixCache:
+    """A cache over a pool of 16 blocks: prefixes of `STREAMS`, some locked, some of its blocks
+    also held by someone else, every other block taken (the pool is full)."""
+    ticks = itertools.count()
+    pool = BlockPool(16)
+    # A coarse clock: nodes share access times, so the queue's ties (requeues) are met.
+    cache = RadixCache(B, {Tier.DEVICE: pool}, clock=lambda: float(next(ticks) // 3))
+    for stream, blocks in prefixes:
+        tokens = STREAMS[stream][: blocks * B]
+        if len(tokens) // B <= pool.num_free:
+            ids = pool.allocate(len(tokens) // B)
+            cache.insert(tokens, ids)
+            pool.free(ids)
+    all_nodes = nodes(cache)
+    for i in locks:
+        cache.lock(all_nodes[i % len(all_nodes)])
+    cached = [b for node in all_nodes for b in node.blocks.get(Tier.DEVICE, [])]
+    for i in held:
+        if cached:
+            pool.incref(cached[i % len(cached)])
+    pool.allocate(pool.num_free)
+    return cache
+
+
+def nodes(cache: RadixCache) -> list[RadixNode]:
+    return sorted(cache.iter_nodes(), key=lambda n: (n.path_tokens().tolist(), n.depth_tokens))
+
+
+def label(node: RadixNode) -> tuple[object, ...]:
+    return node.alive, node.depth_tokens, tuple(node.tokens), dict(node.blocks), node.lock_count
+
+
+def state(cache: RadixCache) -> tuple[object, ...]:
+    pool = cache.pools[Tier.DEVICE]
+    heap = [(key, seq, label(node)) for key, seq, node in cache._queues._heaps[Tier.DEVICE]]
+    return (
+        [label(node) for node in nodes(cache)],
+        heap,
+        dict(cache._cached),
+        dict(cache._evictable),
+        cache.stats,
+        list(pool._free),
+        list(pool._refcounts),
+    )
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    prefixes=st.lists(st.tuples(st.integers(0, 3), st.integers(1, 4)), min_size=1, max_size=6),
+    locks=st.lists(st.integers(0, 30), max_size=3),
+    held=st.lists(st.integers(0, 30), max_size=3),
+    rounds=st.integers(1, 6),
+)
+def test_evict_one_for_reuse_equals_evict_then_allocate(
+    prefixes: list[tuple[int, int]], locks: list[int], held: list[int], rounds: int
+) -> None:
+    fast, slow = build(prefixes, locks, held), build(prefixes, locks, held)
+    assert state(fast) == state(slow)
+    for _ in range(rounds):
+        if not slow.evict(1):
+            break
+        expected = slow.pools[Tier.DEVICE].allocate(1)[0]
+        before = state(fast)
+        block = fast.evict_one_for_reuse()
+        if block < 0:
+            assert state(fast) == before  # nothing changed: the caller does the pair
+            fast.evict(1)
+            block = fast.pools[Tier.DEVICE].allocate(1)[0]
+        assert block == expected
+        assert state(fast) == state(slow)
+        fast.check_invariants()
+
+
+def test_a_full_pool_trims_the_oldest_leaf_by_one_block_without_the_free_list() -> None:
+    fast = build([(0, 4)], [], [])
+    leaf = nodes(fast)[-1]
+    last = leaf.blocks[Tier.DEVICE][-1]
+    assert fast.evict_one_for_reuse() == last
+    assert leaf.num_blocks == 3 and leaf.depth_tokens == 3 * B
+    assert fast.pools[Tier.DEVICE].refcount(last) == 1 and fast.stats.evicted_blocks == 1
+    assert fast.cached_blocks() == 3 and fast.evictable_blocks() == 3
+
+
+def test_nothing_changes_where_the_pair_would_do_more() -> None:
+    """A one-block leaf goes whole, a block someone else holds frees nothing, a hook must see
+    the block freed: the caller is told -1 and does the pair."""
+    one = build([(3, 1)], [], [])
+    assert one.evict_one_for_reuse() == -1
+    shared = build([(0, 4)], [], [3])
+    assert shared.evict_one_for_reuse() == -1
+    hooked = build([(0, 4)], [], [])
+    hooked.pools[Tier.DEVICE].on_free = lambda blocks: None
+    before = state(hooked)
+    assert hooked.evict_one_for_reuse() == -1
+    assert state(hooked) == before
