@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -115,6 +116,16 @@ class IdleHeldMachine(RuleBasedStateMachine):
         session = self._pick(i)
         if session is not None:
             session.traj.reuse_prefix(record=False)
+
+    @rule(i=st.integers(0, 7), ahead=st.integers(1, 9))
+    def allocate_ahead(self, i: int, ahead: int) -> None:
+        """An idle trajectory takes blocks ahead of its KV (admitted, then cut short)."""
+        session = self._pick(i, idle=True)
+        if session is not None:
+            with contextlib.suppress(OutOfBlocks):
+                session.traj.allocate(
+                    len(session.traj.tokens) - session.traj.num_computed_tokens + ahead
+                )
 
     @rule(i=st.integers(0, 7), cut=st.integers(0, 40))
     def rewind(self, i: int, cut: int) -> None:
@@ -278,3 +289,32 @@ def test_the_engine_samples_what_walking_the_idle_sessions_gives(seed: int, poli
     sim = Simulator(engine, duration_s=setup.duration_s, sample_interval_s=0.5, on_progress=check)
     sim.run(AgentDriver(wl, engine.max_model_len))
     assert checked > 0
+
+
+def test_the_logs_stay_bounded_when_no_sample_reads_them() -> None:
+    """Pins churning on an idle session's path while turns come and go, with no sample: the
+    logs are worked off as they grow, and the next sample is still exact."""
+    kv = KVManager(KVConfig(block_size=B, num_device_blocks=20))
+    tally = IdleHeld()
+    idle = computed(kv, [1] * 12 + [2])
+    tally.idle(idle)
+    other = computed(kv, [3] * 8, "other")
+    node = idle.traj.locked_node
+    for _ in range(500):
+        kv.radix.lock(node)  # 1 -> 2 and back: two log entries each time
+        kv.radix.unlock(node)
+        tally.idle(other)
+        tally.busy(other.session_id)
+        assert len(tally._node_log) + len(tally._traj_log) <= 4 * len(tally) + 256 + 3
+    assert tally.blocks() == held_blocks(idle.traj) == 4
+    tally.check_invariants()
+
+
+def test_one_tally_watches_one_radix_cache() -> None:
+    kv, elsewhere = (KVManager(KVConfig(block_size=B, num_device_blocks=20)) for _ in range(2))
+    tally = IdleHeld()
+    tally.idle(computed(kv, [1] * 8))
+    with pytest.raises(ValueError, match="one radix cache"):
+        tally.idle(computed(elsewhere, [1] * 8, "elsewhere"))
+    with pytest.raises(ValueError, match="already watched"):
+        IdleHeld().idle(computed(kv, [2] * 8, "second"))

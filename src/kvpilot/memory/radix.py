@@ -69,6 +69,7 @@ class RadixCache(RadixEviction):
         self._num_nodes = 0
         # The one optional sink for KV events (None: no event is built, no hash is computed).
         self.observer: RadixObserver | None = None
+        self._lock_log = None
 
     def set_observer(self, observer: RadixObserver | None) -> None:
         """Attach (or detach) the event sink; every node's hashes are computed now, so that
@@ -386,6 +387,8 @@ class RadixCache(RadixEviction):
         node.parent = upper
         upper.children[node.tokens[:bs].tobytes()] = node
         self._num_nodes += 1
+        if node.lock_count == 1 and self._lock_log is not None:
+            self._lock_log.append(node)
         return upper
 
     # ---- tiers ---------------------------------------------------------------------------

@@ -122,6 +122,9 @@ class RadixEviction(ABC):
     _evictable: dict[Tier, int]
     _num_nodes: int
     _queues: EvictionQueues
+    # The non-root nodes whose lock count crossed between 1 and 2 (or that were split while
+    # locked once), for the idle-held tally (`watch_locks`); None: nobody watches.
+    _lock_log: list[RadixNode] | None
 
     @abstractmethod
     def _split(self, node: RadixNode, k: int) -> RadixNode:
@@ -141,19 +144,32 @@ class RadixEviction(ABC):
                     f"cannot lock: node at depth {n.depth_tokens} has no device copy; load it first"
                 )
             n = n.parent
+        log = self._lock_log
         n = node
         while n is not None:
             if n.lock_count == 0 and n.depth_tokens:
                 for tier, ids in n.blocks.items():
                     self._evictable[tier] -= len(ids)
             n.lock_count += 1
+            if n.lock_count == 2 and log is not None and n.depth_tokens:
+                log.append(n)
             n = n.parent
+
+    def watch_locks(self, log: list[RadixNode]) -> None:
+        """From now on append to ``log`` every non-root node whose lock count crosses between
+        1 and 2, and every node split while it has exactly one lock (the deeper part, which
+        keeps its identity): what can change which blocks a lock holder holds alone
+        (`engine.idle_held`). One watcher per cache; the watcher empties the log."""
+        if self._lock_log is not None and self._lock_log is not log:
+            raise ValueError("this radix cache's locks are already watched")
+        self._lock_log = log
 
     def unlock(self, node: RadixNode) -> None:
         # A node's lock count is at least any child's (check_radix), so when ``node`` is
         # locked, so is its whole path.
         if node.lock_count <= 0:
             raise ValueError(f"unlock of node at depth {node.depth_tokens} that is not locked")
+        log = self._lock_log
         n: RadixNode | None = node
         while n is not None:
             n.lock_count -= 1
@@ -161,6 +177,8 @@ class RadixEviction(ABC):
                 for tier, ids in n.blocks.items():
                     self._evictable[tier] += len(ids)
                     self._push(n, tier)
+            elif n.lock_count == 1 and log is not None and n.depth_tokens:
+                log.append(n)
             n = n.parent
 
     def relock(self, old: RadixNode, new: RadixNode) -> None:
@@ -190,13 +208,14 @@ class RadixEviction(ABC):
                 return
         common = a
         n: RadixNode | None = new
-        while n is not common and not n.lock_count:  # `lock`'s check, stopping as it does
-            assert n is not None
+        # `lock`'s check, stopping as it does (at the latest at ``common``: it is locked)
+        while n is not None and not n.lock_count:
             if Tier.DEVICE not in n.blocks and n.depth_tokens:
                 raise ValueError(
                     f"cannot lock: node at depth {n.depth_tokens} has no device copy; load it first"
                 )
             n = n.parent
+        log = self._lock_log
         n = new
         while n is not common:
             assert n is not None
@@ -204,6 +223,8 @@ class RadixEviction(ABC):
                 for tier, ids in n.blocks.items():
                     self._evictable[tier] -= len(ids)
             n.lock_count += 1
+            if n.lock_count == 2 and log is not None and n.depth_tokens:
+                log.append(n)
             n = n.parent
         n = old
         while n is not common:
@@ -213,6 +234,8 @@ class RadixEviction(ABC):
                 for tier, ids in n.blocks.items():
                     self._evictable[tier] += len(ids)
                     self._push(n, tier)
+            elif n.lock_count == 1 and log is not None and n.depth_tokens:
+                log.append(n)
             n = n.parent
 
     # ---- eviction ----------------------------------------------------------------------

@@ -93,11 +93,19 @@ class Trajectory:
         # changes depth only through this trajectory's own commits, see `_recount`).
         self.locked_tokens = 0
         self.num_private_blocks = 0
+        # Set by the idle-held tally (`engine.idle_held`) while the trajectory is idle: it
+        # appends itself whenever its locked node or its table's length changes.
+        self.held_log: list[Trajectory] | None = None
         self.append_tokens(tokens)
         self.locked_node: RadixNode = self._radix.root(salt)
         self._radix.lock(self.locked_node)
 
     # ---- state ---------------------------------------------------------------------------
+
+    @property
+    def radix(self) -> RadixCache:
+        """The prefix cache this trajectory's path is locked in."""
+        return self._radix
 
     @property
     def hit_rate(self) -> float:
@@ -132,6 +140,8 @@ class Trajectory:
         """
         self.locked_tokens = self.locked_node.depth_tokens
         self.num_private_blocks = len(self.block_table) - self.locked_tokens // self._bs
+        if self.held_log is not None:
+            self.held_log.append(self)
 
     # ---- turns ---------------------------------------------------------------------------
 
@@ -208,6 +218,8 @@ class Trajectory:
         need = -(-(self.num_computed_tokens + num_new_tokens) // self._bs) - len(self.block_table)
         if need <= 0:
             return
+        if self.held_log is not None:  # an idle trajectory taking blocks (a prefetch, a test)
+            self.held_log.append(self)
         pool = self._pool
         window = self.window
         if window is None:
@@ -267,6 +279,8 @@ class Trajectory:
         table = self.block_table
         tokens = self.tokens[shared * bs : n_full * bs]
         if self._radix.extend_leaf(self.locked_node, tokens, table[shared:n_full], adopt=True):
+            # Not for `held_log`: the blocks move from the private tail to the leaf only this
+            # trajectory locks, so the blocks it holds alone stay the same.
             self.locked_tokens = n_full * bs  # the locked leaf now ends at n_full blocks
             self.num_private_blocks -= n_full - shared
             return n_full - shared
