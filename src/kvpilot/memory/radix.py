@@ -366,6 +366,32 @@ class RadixCache(RadixEviction):
         self.stats.inserted_blocks += n
         return True
 
+    def grow_leaf(self, node: RadixNode, tokens: array, blocks: list[int]) -> bool:
+        """`extend_leaf` with ``adopt`` for a trajectory's commit (the hot path): the same
+        checks of ``node`` and the same effects, without re-checking what the trajectory
+        guarantees (``tokens`` an int32 array of exactly ``len(blocks) >= 1`` whole blocks,
+        references it hands over). A tree that keeps hashes takes `extend_leaf`'s way."""
+        device = node.blocks.get(DEVICE)
+        if (
+            device is None
+            or node.lock_count != 1
+            or node.children
+            or len(node.blocks) != 1
+            or not node._alive
+            or not node.depth_tokens  # a root
+        ):
+            return False
+        if node._hashes is not None or self.observer is not None:
+            return self.extend_leaf(node, tokens, blocks, adopt=True)
+        n = len(blocks)
+        node.tokens += tokens
+        device += blocks
+        node.depth_tokens += n * self.block_size
+        node.last_access = self._clock()
+        self._cached[DEVICE] += n
+        self.stats.inserted_blocks += n
+        return True
+
     def _split(self, node: RadixNode, k: int) -> RadixNode:
         """Cut ``node``'s edge after ``k`` blocks; the new upper node is returned."""
         bs = self.block_size

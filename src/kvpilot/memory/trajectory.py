@@ -278,7 +278,7 @@ class Trajectory:
             return 0
         table = self.block_table
         tokens = self.tokens[shared * bs : n_full * bs]
-        if self._radix.extend_leaf(self.locked_node, tokens, table[shared:n_full], adopt=True):
+        if self._radix.grow_leaf(self.locked_node, tokens, table[shared:n_full]):
             # Not for `held_log`: the blocks move from the private tail to the leaf only this
             # trajectory locks, so the blocks it holds alone stay the same.
             self.locked_tokens = n_full * bs  # the locked leaf now ends at n_full blocks
