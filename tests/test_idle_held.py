@@ -305,7 +305,7 @@ def test_the_logs_stay_bounded_when_no_sample_reads_them() -> None:
         kv.radix.unlock(node)
         tally.idle(other)
         tally.busy(other.session_id)
-        assert len(tally._node_log) + len(tally._traj_log) <= 4 * len(tally) + 256 + 3
+        assert len(tally._node_log) + len(tally._traj_log) <= 4 * 2 + 256 + 3
     assert tally.blocks() == held_blocks(idle.traj) == 4
     tally.check_invariants()
 

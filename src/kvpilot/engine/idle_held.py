@@ -106,33 +106,39 @@ class IdleHeld:
 
     def idle(self, session: IdleSession) -> None:
         """``session`` is between turns (opened, forked, or its turn ended)."""
-        self.busy(session.session_id)
+        sid = session.session_id
+        if sid in self._held:
+            self.busy(sid)
         traj = session.traj
-        if self._radix is None:
-            self._radix = traj.radix
-            self._radix.watch_locks(self._node_log)
-        elif traj.radix is not self._radix:
+        if traj.radix is not self._radix:
+            self._watch(traj.radix)
+        held = _Held(traj)
+        self._held[sid] = held
+        self._by_traj[traj] = held
+        traj.held_log = log = self._traj_log
+        log.append(traj)  # walked at the next sample
+        if len(log) + len(self._node_log) > 4 * len(self._held) + 256:
+            self._update()  # no sample reads the logs: keep them in proportion
+
+    def _watch(self, radix: RadixCache) -> None:
+        if self._radix is not None:
             raise ValueError(
                 "the idle-held tally watches one radix cache; this session's is another"
             )
-        held = _Held(traj)
-        self._held[session.session_id] = held
-        self._by_traj[traj] = held
-        traj.held_log = self._traj_log
-        self._traj_log.append(traj)  # walked at the next sample
-        self._bound_logs()
+        radix.watch_locks(self._node_log)
+        self._radix = radix
 
     def busy(self, session_id: str) -> None:
         """The session started a turn, or closed."""
         held = self._held.pop(session_id, None)
         if held is None:
             return
-        self._forget(held)
-        self._total -= held.blocks
+        if held.stop is not None:  # walked
+            self._forget(held)
+            self._total -= held.blocks
         if self._by_traj.get(held.traj) is held:
             del self._by_traj[held.traj]
             held.traj.held_log = None
-        self._bound_logs()
 
     def blocks(self) -> int:  # hot path: every idle memory-time sample
         """Device blocks idle sessions hold, each only by itself: the sum of
@@ -140,11 +146,6 @@ class IdleHeld:
         if self._traj_log or self._node_log:
             self._update()
         return self._total
-
-    def _bound_logs(self) -> None:
-        """Keep the logs in proportion to the sessions when no sample reads them."""
-        if len(self._traj_log) + len(self._node_log) > 4 * len(self._held) + 256:
-            self._update()
 
     def _update(self) -> None:
         """Re-walk every idle session a logged change may have touched."""
@@ -166,7 +167,8 @@ class IdleHeld:
                 stale.update(dict.fromkeys(waiting))
         self._node_log.clear()
         for held in stale:
-            self._forget(held)
+            if held.stop is not None:  # walked before
+                self._forget(held)
             old = held.blocks
             self._total += held.walk() - old
             for node in held.segment:
@@ -182,13 +184,12 @@ class IdleHeld:
             if owner.get(node) is held:
                 del owner[node]
         stop = held.stop
-        waiting = self._stopped.get(stop) if stop is not None else None
-        if waiting is not None:
+        assert stop is not None
+        if stop.depth_tokens:  # a root is not indexed
+            waiting = self._stopped[stop]
             waiting.discard(held)
             if not waiting:
-                del self._stopped[stop]  # type: ignore[arg-type]  # not None: it was found
-        held.segment = []
-        held.stop = None
+                del self._stopped[stop]
 
     def check_invariants(self) -> None:
         """After a sample's update, every kept figure equals a fresh walk (`held_blocks`), the
