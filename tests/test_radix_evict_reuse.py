@@ -1,6 +1,7 @@
 """`RadixCache.evict_one_for_reuse` (a full pool's one-block eviction handing the block on
 with the tree's reference) gives what `evict(1)` then `pool.allocate(1)` give: the same
-block, and the same tree, queue, pool and statistics after, or changes nothing and says -1."""
+block, and the same tree, queue, pool and statistics after; or it says -1, and the pair
+after it gives what the pair alone would."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import itertools
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpilot.memory import BlockPool, RadixCache, RadixNode, Tier
+from kvpilot.memory import BlockPool, KVConfig, KVManager, RadixCache, RadixNode, Tier
 
 B = 2
 STREAMS = [[1, 1, 2, 2, 3, 3, 4, 4], [1, 1, 2, 2, 5, 5], [1, 1, 6, 6, 7, 7, 8, 8], [9, 9, 1, 1]]
@@ -77,10 +78,8 @@ def test_evict_one_for_reuse_equals_evict_then_allocate(
         if not slow.evict(1):
             break
         expected = slow.pools[Tier.DEVICE].allocate(1)[0]
-        before = state(fast)
         block = fast.evict_one_for_reuse()
-        if block < 0:
-            assert state(fast) == before  # nothing changed: the caller does the pair
+        if block < 0:  # the caller does the pair (after at most `peek`'s fixes of the queue)
             fast.evict(1)
             block = fast.pools[Tier.DEVICE].allocate(1)[0]
         assert block == expected
@@ -110,3 +109,38 @@ def test_nothing_changes_where_the_pair_would_do_more() -> None:
     before = state(hooked)
     assert hooked.evict_one_for_reuse() == -1
     assert state(hooked) == before
+
+
+def test_a_trajectory_under_a_full_pool_takes_the_block_either_way() -> None:
+    """`Trajectory.allocate` of one block with no free block: through the one call where it
+    applies, through evict-then-allocate where the oldest leaf is one block long."""
+    kv = KVManager(KVConfig(block_size=B, num_device_blocks=4))
+    old = kv.open_trajectory(tokens=[1] * B)  # one cached block, then unlocked
+    old.allocate(B)
+    old.mark_computed(B)
+    cached = old.block_table[0]
+    old.close()
+    busy = kv.open_trajectory(tokens=[5] * (3 * B))
+    busy.allocate(3 * B)
+    busy.mark_computed(3 * B)
+    busy.commit()  # the pool is full: three blocks locked, one cached
+    assert kv.device.num_free == 0
+    busy.append_token(5)
+    busy.allocate(1)  # the oldest leaf is one block: evicted whole, its block reused
+    assert busy.block_table[-1] == cached and kv.radix.cached_blocks() == 3
+    kv.check_invariants()
+    other = kv.open_trajectory(tokens=[5] * (3 * B) + [6])
+    other.reuse_prefix()
+    busy.close()  # the three-block path is cached, locked by ``other`` alone
+    other.release_kv(keep_in_cache=True)
+    assert kv.device.num_free == 1
+    kv.device.allocate(1)  # full again
+    again = kv.open_trajectory(tokens=[7])
+
+    def no_evict(*args: object, **kwargs: object) -> int:
+        raise AssertionError("the one call should have taken the block")
+
+    kv.radix.evict = no_evict  # type: ignore[method-assign]
+    again.allocate(1)  # trims the three-block leaf's last block through the one call
+    assert kv.radix.cached_blocks() == 2 and kv.radix.stats.evicted_blocks == 2
+    kv.radix.check_invariants()  # (the block taken by hand is no holder's: no manager audit)

@@ -324,25 +324,33 @@ class RadixEviction(ABC):
         tree's reference (refcount 1 now the caller's) instead of going through the free list.
 
         The pair gives the same block: with the free list empty (why `evict` is called) and
-        LIFO, `allocate` pops what `evict` just freed. Only for evict's trim case (the top
-        candidate a fresh childless single-copy leaf of two or more blocks, its last block held
-        by the tree alone) and no `on_free` hook; otherwise -1 and nothing changes (the caller
-        does the pair).
+        LIFO, `allocate` pops what `evict` just freed. Only for evict's trim case (the least
+        recently used candidate a childless single-copy leaf of two or more blocks, its last
+        block held by the tree alone) and no `on_free` hook; otherwise -1, and the caller does
+        the pair: nothing changed but what `evict` does first anyway (`peek` fixing the queue's
+        stale top entries, after which a `peek` changes nothing).
         """
-        heap = self._queues._heaps[DEVICE]
+        queues = self._queues
+        heap = queues._heaps[DEVICE]
         if not heap:
             return -1
         key, _, node = heap[0]
         ids = node.blocks.get(DEVICE)
-        if (  # evict's ``hot`` test, and a trim (more than the one block wanted)
+        if (  # evict's ``hot`` test: a fresh top entry, a candidate
             ids is None
-            or len(ids) < 2
             or key != node.last_access
-            or node.children
-            or len(node.blocks) != 1
             or node.lock_count
             or not node._alive
+            or not node.depth_tokens
+            or node.children
         ):
+            peeked = queues.peek(DEVICE)  # as `evict` would, fixing the heap in place
+            if peeked is None:
+                return -1
+            node = peeked
+            key = node.last_access
+            ids = node.blocks[DEVICE]
+        if len(ids) < 2 or node.children or len(node.blocks) != 1:  # not a trim
             return -1
         pool = self.pools[DEVICE]
         block = ids[-1]

@@ -223,14 +223,21 @@ class Trajectory:
         pool = self._pool
         window = self.window
         if window is None:
-            short = need - len(pool._free)  # pool.num_free, without a property call
-            if short > 0:
-                if need == 1:  # a decode step's block under a full pool (the hot path)
+            free = pool._free
+            if need == 1:  # a decode step's block (the hot path)
+                if free:  # `pool.allocate(1)`, inline: the LIFO free list's last block
+                    block = free.pop()
+                    pool._refcounts[block] = 1
+                else:  # a full pool: `evict(1)` then `allocate(1)` as one call
                     block = self._radix.evict_one_for_reuse()
-                    if block >= 0:
-                        self.block_table.append(block)
-                        self.num_private_blocks += 1
-                        return
+                    if block < 0:
+                        self._radix.evict(1)
+                        block = pool.allocate(1)[0]
+                self.block_table.append(block)
+                self.num_private_blocks += 1
+                return
+            short = need - len(free)  # pool.num_free, without a property call
+            if short > 0:
                 self._radix.evict(short)
             self.block_table += pool.allocate(need)
             self.num_private_blocks += need
