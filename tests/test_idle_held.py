@@ -310,6 +310,23 @@ def test_the_logs_stay_bounded_when_no_sample_reads_them() -> None:
     tally.check_invariants()
 
 
+def test_with_no_idle_session_nothing_is_logged() -> None:
+    """The last idle session leaving stops the radix's log (locks churn on, nobody reads)."""
+    kv = KVManager(KVConfig(block_size=B, num_device_blocks=20))
+    tally = IdleHeld()
+    idle = computed(kv, [1] * 12 + [2])
+    tally.idle(idle)
+    tally.busy(idle.session_id)
+    node = idle.traj.locked_node
+    for _ in range(10):
+        kv.radix.lock(node)
+        kv.radix.unlock(node)
+    assert not tally._node_log and not tally._traj_log
+    tally.idle(idle)  # watched again
+    assert tally.blocks() == held_blocks(idle.traj) == 4
+    tally.check_invariants()
+
+
 def test_one_tally_watches_one_radix_cache() -> None:
     kv, elsewhere = (KVManager(KVConfig(block_size=B, num_device_blocks=20)) for _ in range(2))
     tally = IdleHeld()

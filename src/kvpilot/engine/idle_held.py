@@ -139,6 +139,11 @@ class IdleHeld:
         if self._by_traj.get(held.traj) is held:
             del self._by_traj[held.traj]
             held.traj.held_log = None
+        if not self._held and self._radix is not None:  # no figure to keep: stop the logs
+            self._radix.watch_locks(None)
+            self._radix = None
+            self._traj_log.clear()
+            self._node_log.clear()
 
     def blocks(self) -> int:  # hot path: every idle memory-time sample
         """Device blocks idle sessions hold, each only by itself: the sum of

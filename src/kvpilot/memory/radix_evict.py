@@ -155,12 +155,13 @@ class RadixEviction(ABC):
                 log.append(n)
             n = n.parent
 
-    def watch_locks(self, log: list[RadixNode]) -> None:
+    def watch_locks(self, log: list[RadixNode] | None) -> None:
         """From now on append to ``log`` every non-root node whose lock count crosses between
         1 and 2, and every node split while it has exactly one lock (the deeper part, which
         keeps its identity): what can change which blocks a lock holder holds alone
-        (`engine.idle_held`). One watcher per cache; the watcher empties the log."""
-        if self._lock_log is not None and self._lock_log is not log:
+        (`engine.idle_held`). One watcher per cache; the watcher empties the log. None: stop
+        watching."""
+        if log is not None and self._lock_log is not None and self._lock_log is not log:
             raise ValueError("this radix cache's locks are already watched")
         self._lock_log = log
 
