@@ -1,7 +1,8 @@
-"""`RadixCache.grow_leaf` (a trajectory commit's way to grow its locked leaf) does exactly
-what `extend_leaf(..., adopt=True)` does: the same answer, and the same nodes, hashes,
-totals, statistics and observer events after, whatever the node (a leaf locked once, locked
-twice, with children, with a host copy, a root) and whether the tree keeps hashes."""
+"""`RadixCache.grow_leaf` (a trajectory commit's way to grow its locked leaf, and the core of
+`extend_leaf`) does exactly what the in-place growth it replaced did (`reference_grow`,
+kept here as the specification): the same answer, and the same nodes, hashes, totals,
+statistics and observer events after, whatever the node (a leaf locked once, locked twice,
+with children, with a host copy, a root) and whether the tree keeps hashes."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvpilot.memory import BlockPool, RadixCache, RadixNode, Tier
+from kvpilot.memory.hashing import HASH_BYTES, chain_bytes, int32_bytes
 
 B = 2
 STREAMS = [[1, 1, 2, 2, 3, 3, 4, 4], [1, 1, 2, 2, 5, 5], [1, 1, 6, 6, 7, 7, 8, 8], [9, 9, 1, 1]]
@@ -29,6 +31,34 @@ class Events:
 
     def evicted(self, tier: Tier, hashes: bytes) -> None:
         self.log.append(("evicted", tier, hashes))
+
+
+def reference_grow(cache: RadixCache, node: RadixNode, tokens: array, blocks: list[int]) -> bool:
+    """`extend_leaf(node, tokens, blocks, adopt=True)` as it was written before `grow_leaf`."""
+    device = node.blocks.get(Tier.DEVICE)
+    if (
+        device is None
+        or node.lock_count != 1
+        or node.children
+        or len(node.blocks) != 1
+        or not node.alive
+        or node.depth_tokens == 0
+    ):
+        return False
+    if cache.observer is not None:
+        node.hashes  # noqa: B018 (an observed tree keeps every node's hashes)
+    if node._hashes is not None:
+        new = chain_bytes(node._hashes[-HASH_BYTES:], int32_bytes(tokens), B)
+        node._hashes += new
+        if cache.observer is not None:
+            cache.observer.committed(new)
+    node.tokens.extend(tokens)
+    device.extend(blocks)
+    node.depth_tokens += len(blocks) * B
+    node.last_access = cache._clock()
+    cache._cached[Tier.DEVICE] += len(blocks)
+    cache.stats.inserted_blocks += len(blocks)
+    return True
 
 
 def build(prefixes: list[int], hashed: bool, observed: bool) -> RadixCache:
@@ -76,7 +106,7 @@ def state(cache: RadixCache) -> tuple[object, ...]:
     hashed=st.booleans(),
     observed=st.booleans(),
 )
-def test_grow_leaf_equals_extend_leaf_adopting(
+def test_grow_leaf_equals_the_growth_it_replaced(
     prefixes: list[int],
     pick: int,
     locks: int,
@@ -97,7 +127,7 @@ def test_grow_leaf_equals_extend_leaf_adopting(
         blocks = cache.pools[Tier.DEVICE].allocate(grow)  # the committer's, handed over
         tokens = array("i", [100 + j for j in range(grow * B)])
         if i == 0:
-            answers.append(cache.extend_leaf(node, tokens, blocks, adopt=True))
+            answers.append(reference_grow(cache, node, tokens, blocks))
         else:
             answers.append(cache.grow_leaf(node, tokens, blocks))
     assert answers[0] == answers[1]

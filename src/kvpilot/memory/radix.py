@@ -39,6 +39,22 @@ def _counter_clock() -> Callable[[], float]:
     return lambda: float(next(counter))
 
 
+def _growable(node: RadixNode) -> list[int] | None:
+    """The device blocks of ``node`` when its edge may grow in place (`RadixCache.
+    extend_leaf`): a live non-root leaf whose single copy is on device, under one lock."""
+    device = node.blocks.get(DEVICE)
+    if (
+        device is None
+        or node.lock_count != 1
+        or node.children
+        or len(node.blocks) != 1
+        or not node._alive
+        or not node.depth_tokens  # a root
+    ):
+        return None
+    return device
+
+
 class RadixCache(RadixEviction):
     """The tree holds one reference on every block it indexes, in every tier.
 
@@ -334,56 +350,30 @@ class RadixCache(RadixEviction):
                 f"extend_leaf needs exactly len(blocks) * block_size tokens: got {len(tokens)} "
                 f"tokens for {n} blocks of {bs}"
             )
-        device = node.blocks.get(DEVICE)
-        if (
-            device is None
-            or node.lock_count != 1
-            or node.children
-            or len(node.blocks) != 1
-            or not node._alive
-            or node.depth_tokens == 0  # a root
-        ):
-            return False
         if not n:
-            return True
-        # A commit passes an int32 array: take it as it is, without a call (the hot path).
-        ok = isinstance(tokens, array) and tokens.typecode == "i"
-        arr = tokens if ok else as_token_array(tokens)
+            return _growable(node) is not None
+        arr = tokens if isinstance(tokens, array) and tokens.typecode == "i" else None
+        if not self.grow_leaf(node, as_token_array(tokens) if arr is None else arr, list(blocks)):
+            return False
         if not adopt:
             self.pools[DEVICE].incref_many(blocks)
-        if self.observer is not None:
-            node.hashes  # noqa: B018 (an observed tree keeps every node's hashes)
-        if node._hashes is not None:
-            new = chain_bytes(node._hashes[-HASH_BYTES:], int32_bytes(arr), bs)
-            node._hashes += new
-            if self.observer is not None:
-                self.observer.committed(new)
-        node.tokens.extend(arr)
-        device.extend(blocks)
-        node.depth_tokens += n * bs
-        node.last_access = self._clock()
-        self._cached[DEVICE] += n
-        self.stats.inserted_blocks += n
         return True
 
     def grow_leaf(self, node: RadixNode, tokens: array, blocks: list[int]) -> bool:
-        """`extend_leaf` with ``adopt`` for a trajectory's commit (the hot path): the same
-        checks of ``node`` and the same effects, without re-checking what the trajectory
-        guarantees (``tokens`` an int32 array of exactly ``len(blocks) >= 1`` whole blocks,
-        references it hands over). A tree that keeps hashes takes `extend_leaf`'s way."""
-        device = node.blocks.get(DEVICE)
-        if (
-            device is None
-            or node.lock_count != 1
-            or node.children
-            or len(node.blocks) != 1
-            or not node._alive
-            or not node.depth_tokens  # a root
-        ):
+        """`extend_leaf` with ``adopt``, for a trajectory's commit (the hot path): without
+        the checks of what the trajectory guarantees (``tokens`` an int32 array of exactly
+        ``len(blocks) >= 1`` whole blocks, references it hands over)."""
+        device = _growable(node)
+        if device is None:
             return False
-        if node._hashes is not None or self.observer is not None:
-            return self.extend_leaf(node, tokens, blocks, adopt=True)
         n = len(blocks)
+        if node._hashes is not None or self.observer is not None:
+            # An observed tree keeps every node's hashes (reading them computes them).
+            hashes = node.hashes
+            new = chain_bytes(hashes[-HASH_BYTES:], int32_bytes(tokens), self.block_size)
+            node._hashes = hashes + new
+            if self.observer is not None:
+                self.observer.committed(new)
         node.tokens += tokens
         device += blocks
         node.depth_tokens += n * self.block_size
