@@ -9,7 +9,6 @@ fail if an array leaks out, or if the int32 storage matches the prefix cache dif
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import random
 from array import array
@@ -47,9 +46,9 @@ def test_snapshots_hand_out_the_prompt_as_one_tuple_of_ints_made_on_first_read()
         assert all(out.prompt_token_ids is first for out in outs)  # converted once, shared
         assert request.prompt_token_ids is first
         assert outs[-1].prompt_tokens == len(ids)
-        again = dataclasses.replace(outs[-1], prompt_ids=PromptIds(array("i", ids)))
+        again = outs[-1]._replace(prompt_ids=PromptIds(array("i", ids)))
         assert again == outs[-1]  # equal ids: equal snapshots (a run's and a step's outputs)
-        assert again != dataclasses.replace(again, prompt_ids=PromptIds(array("i", ids[1:])))
+        assert again != again._replace(prompt_ids=PromptIds(array("i", ids[1:])))
 
 
 def test_a_sessions_tokens_are_a_fresh_list_of_ints() -> None:
