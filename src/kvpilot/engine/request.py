@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 PauseHint = tuple[float | None, str | None]  # (expected tool wait, tool) announced by a turn
 _NO_HITS = dict.fromkeys(Tier, 0)  # prefix hit tokens by tier, before admission
-_MAX = np.maximum.reduce  # ndarray.max without its Python wrapper
+_UINT32 = np.dtype(np.uint32)  # a dtype object: frombuffer converts a type on every call
 
 
 class PromptIds:
@@ -304,11 +304,13 @@ class RequestLimits:
         limit = self.vocab_size
         fits = False
         if ids is not None:
-            # One reduction instead of min and max: read as uint32, a negative id is at least
+            # One pass instead of min and max: read as uint32, a negative id is at least
             # 2**31, so every id is in [0, limit) exactly when the largest is below limit.
-            view = np.frombuffer(ids, dtype=np.uint32)
+            # The largest is found by argmax, a direct C method (a third of the fixed cost
+            # of a ufunc reduction such as max, which a prompt of a few hundred ids pays).
+            view = np.frombuffer(ids, _UINT32)
             top = 1 << 31 if limit is None else min(limit, 1 << 31)
-            fits = bool(_MAX(view) < top)
+            fits = view.item(view.argmax()) < top
         if not fits:
             bad = [t for t in tokens if t < 0 or (limit is not None and t >= limit)]
             if not bad:
