@@ -398,12 +398,10 @@ def _apply(
     end_time = starts[k]
     # The ending sequences' last tokens are counted by end_decode_run below.
     _record_itls(itl, n, gaps, recorded, k, last_count)
-    observe = offload.observe_computed
     for i, seq in enumerate(running):
         traj = seq.traj
         traj.mark_computed(positions[i] + k - traj.num_computed_tokens)
         seq.last_token_time = end_time
-        observe(traj)
     stats.steps += k
     stats.decode_tokens += n * k
     stats.generated_tokens += n * k - len(ending)

@@ -269,7 +269,6 @@ class Engine:
     ) -> list[RequestOutput]:
         block = self.kv.block_size
         caching = self.config.scheduler.enable_prefix_caching
-        observe_computed = self.offload.observe_computed
         append_token = self._append_token
         # Requests that sampled this step, first seen first (only snapshots need them all).
         progressed: dict[str, Request] | None = {} if snapshots else None
@@ -282,7 +281,6 @@ class Engine:
         for seq, work in zip(sched.seqs, sched.works, strict=True):
             traj = seq.traj
             traj.mark_computed(len(work.token_ids))
-            observe_computed(traj)
             if caching and traj.num_computed_tokens // block > traj.locked_tokens // block:
                 traj.commit()
             if work.sampling is None:
@@ -360,7 +358,6 @@ class Engine:
             if not self.config.scheduler.enable_prefix_caching:
                 seq.traj.release_kv(keep_in_cache=False)
             seq.traj.close()
-            self.offload.trajectory_closed(seq.traj)
 
     def _finish_request_if_done(self, request: Request) -> None:
         if not request.finished or request.request_id in self._finished_outputs:

@@ -87,7 +87,6 @@ class OffloadManager:
         self.prefill = PrefillRateMeter()
         self.waits = WaitPredictor(config.default_tool_wait_s)
         self.records = PauseBook()
-        self.high_water: dict[int, int] = {}  # traj_id -> most tokens ever computed
         self.timers = PauseTimers()
         # The idle sessions and the device blocks each holds (the session table reports
         # every turn's start and end): what the idle memory-time sample sums.
@@ -274,27 +273,16 @@ class OffloadManager:
         """A sequence was admitted: count the tokens it recomputes that were computed before,
         and (on a request's first admission) which tier its cached prefix came from."""
         traj = seq.traj
-        high = self.high_water.get(traj.traj_id, 0)
-        lost = min(high, len(traj.tokens) - 1) - traj.num_computed_tokens
+        lost = min(traj.high_water(), len(traj.tokens) - 1) - traj.num_computed_tokens
         if lost > 0:
             self.stats.recomputed_tokens += lost
         if seq.index == 0 and not seq.output_token_ids and seq.num_preemptions == 0:
             loaded = self.mover.take_loaded(traj)
             seq.request.set_cached_by_tier(loaded[HOST], loaded[DISK])
 
-    def observe_computed(self, traj: Trajectory) -> None:
-        """The step loop computed KV for ``traj`` (its high-water mark, for recompute counts)."""
-        high = self.high_water
-        if high.get(traj.traj_id, 0) < traj.num_computed_tokens:
-            high[traj.traj_id] = traj.num_computed_tokens
-
     def rewound(self, traj: Trajectory, num_tokens: int) -> None:
         """``traj`` was cut back to ``num_tokens``: what follows the cut is new, not recomputed."""
-        if self.high_water.get(traj.traj_id, 0) > num_tokens:
-            self.high_water[traj.traj_id] = num_tokens
-
-    def trajectory_closed(self, traj: Trajectory) -> None:
-        self.high_water.pop(traj.traj_id, None)
+        traj.cap_high_water(num_tokens)
 
     def observe_resume_ttft(self, seconds: float) -> None:
         self.stats.resume_ttft_s.append(seconds)
@@ -457,7 +445,7 @@ class OffloadManager:
         self.timers.cancel(session.session_id)
         self.records.pop(session.session_id)
         self.mover.forget(session.traj)
-        self.high_water.pop(session.traj.traj_id, None)
+        session.traj.forget_high_water()
         if self.session_store is not None:
             self.session_store.delete(session.session_id)
 

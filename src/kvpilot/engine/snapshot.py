@@ -163,14 +163,14 @@ class LoadGauges(NamedTuple):
 
 
 def load_gauges(kv: KVManager, scheduler: Scheduler) -> LoadGauges:
-    """`LoadGauges` now, without the rest of a snapshot's cost (one pass over the open
-    trajectories)."""
+    """`LoadGauges` now, without the rest of a snapshot's cost (every figure is kept as it
+    changes: the resident trajectories by the memory core, `KVManager.resident_trajectories`)."""
     return LoadGauges(
         kv_usage=kv.device.usage,
         kv_held=scheduler.held_usage(),
         running=len(scheduler.running),
         waiting=len(scheduler.waiting),
-        resident_trajectories=len([t for t in kv.trajectories.values() if t.block_table]),
+        resident_trajectories=kv.resident_trajectories,
     )
 
 

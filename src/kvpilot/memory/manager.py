@@ -76,6 +76,9 @@ class KVManager:
             )
         self.radix = RadixCache(config.block_size, self.pools, clock, config.model_fingerprint)
         self.trajectories: dict[int, Trajectory] = {}
+        # The registered trajectories that hold device blocks (a non-empty table), kept by
+        # the trajectories where their tables fill or empty: a load gauge read per sample.
+        self.resident_trajectories = 0
         # Pins and move locks of copies in flight between tiers (counted by check_invariants).
         self.residency = TierResidency(self.radix, self.pools)
         # Radix locks held by prompt-cache breakpoints for their TTL: counted likewise.
@@ -106,10 +109,14 @@ class KVManager:
         return next(self._ids)
 
     def register(self, traj: Trajectory) -> None:
+        assert traj.traj_id not in self.trajectories, f"trajectory {traj.traj_id} registered twice"
         self.trajectories[traj.traj_id] = traj
+        if traj.block_table:  # a fork's child, born with the parent's blocks
+            self.resident_trajectories += 1
 
     def deregister(self, traj: Trajectory) -> None:
-        self.trajectories.pop(traj.traj_id, None)
+        if self.trajectories.pop(traj.traj_id, None) is not None and traj.block_table:
+            self.resident_trajectories -= 1
 
     def free_blocks(self) -> int:
         """Device blocks admission can count on: free now plus evictable from the cache."""
@@ -163,6 +170,12 @@ class KVManager:
             while node is not None:
                 locks[node] += 1
                 node = node.parent
+        resident = sum(1 for traj in self.trajectories.values() if traj.block_table)
+        require(
+            self.resident_trajectories == resident,
+            f"resident_trajectories is {self.resident_trajectories}, but {resident} "
+            "registered trajectories hold blocks",
+        )
         if self.window is not None:
             self.window.check_invariants(window_refs)
         self.residency.check_invariants()

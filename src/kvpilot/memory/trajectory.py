@@ -25,6 +25,9 @@ class TrajectoryRegistry(Protocol):
     block_size: int
     window: WindowPool | None  # the sliding-window layer group, for hybrid models
     model_digest: bytes
+    # Registered trajectories whose table holds a block: a trajectory counts itself in and
+    # out where its table turns non-empty or empty (the registry counts a fork's child).
+    resident_trajectories: int
 
     def next_trajectory_id(self) -> int: ...
 
@@ -79,6 +82,10 @@ class Trajectory:
         self.tokens: array = array("i")
         self.block_table: list[int] = []
         self.num_computed_tokens = 0
+        # The high-water mark of the KV computed by steps (`high_water`): the mark as of the
+        # last change to num_computed_tokens not made by a step, and the count right after it.
+        self._peak = 0
+        self._settled = 0
         self.prompt_tokens_total = 0
         self.hit_tokens_total = 0
         # Reuse at most this many cached tokens (prompt caching with breakpoints: a prefix
@@ -190,11 +197,14 @@ class Trajectory:
             for i in range(shared, overlap):  # private blocks the locked path now covers
                 pool.decref(table[i])
                 table[i] = new_blocks[i]
+            if not table and new_blocks:  # the table turns non-empty
+                self._manager.resident_trajectories += 1
             table.extend(new_blocks[overlap:])  # held by the lock
             self._recount()
             if window is not None:
                 window.adopt(match.num_tokens // self._bs, computed, self.tokens)
-            self.num_computed_tokens = match.num_tokens
+            self._peak = self.high_water()  # a prefix hit is not KV computed by a step
+            self.num_computed_tokens = self._settled = match.num_tokens
         if record:
             self.prompt_tokens_total += n
             self.hit_tokens_total += self.num_computed_tokens
@@ -233,14 +243,19 @@ class Trajectory:
                     if block < 0:
                         self._radix.evict(1)
                         block = pool.allocate(1)[0]
-                self.block_table.append(block)
+                table = self.block_table
+                table.append(block)
                 self.num_private_blocks += 1
+                if len(table) == 1:  # it was empty: now resident
+                    self._manager.resident_trajectories += 1
                 return
             short = need - len(free)  # pool.num_free, without a property call
             if short > 0:
                 self._radix.evict(short)
             self.block_table += pool.allocate(need)
             self.num_private_blocks += need
+            if len(self.block_table) == need:  # it was empty: now resident
+                self._manager.resident_trajectories += 1
             return
         fresh = window.pool.allocate(need)  # a hybrid model's window blocks first
         try:
@@ -251,6 +266,8 @@ class Trajectory:
             window.pool.release(fresh)
             raise
         self.num_private_blocks += need
+        if len(self.block_table) == need:  # it was empty: now resident
+            self._manager.resident_trajectories += 1
         window.grow(fresh)
 
     def mark_computed(self, n: int) -> None:
@@ -330,7 +347,7 @@ class Trajectory:
         shared = self.block_table[:n_full]  # the parent's locked path (committed just now)
         child.block_table = shared if dst is None else [*shared, dst]
         child._lock_to(self.locked_node)  # and counts its blocks
-        child.num_computed_tokens = self.num_computed_tokens
+        child.num_computed_tokens = child._settled = self.num_computed_tokens  # not by a step
         window_copy = None
         if window is not None:
             child.window = window.forked(n_full, window_dst)
@@ -347,8 +364,11 @@ class Trajectory:
         if self.window is not None:
             self.window.release_all(self.num_computed_tokens, self.tokens, publish=keep_in_cache)
         private = self.block_table[self.locked_tokens // self._bs :]
+        if self.block_table:
+            self._manager.resident_trajectories -= 1
         self.block_table = []
-        self.num_computed_tokens = 0
+        self._peak = self.high_water()
+        self.num_computed_tokens = self._settled = 0
         self._lock_to(self._radix.root(self.salt))
         self._pool.decref_many(private)
 
@@ -380,12 +400,15 @@ class Trajectory:
                 match = self._radix.match(self.tokens[: keep * bs], self.salt, record=False)
                 self._lock_to(match.node)
             extra = self.block_table[max(keep, shared) :]  # the private blocks past the cut
+            if keep == 0 and self.block_table:
+                self._manager.resident_trajectories -= 1
             del self.block_table[keep:]
             self._pool.decref_many(extra)
             if window is not None:
                 window.truncate(keep)
                 window.adopt(keep, self.num_computed_tokens, self.tokens)
-            self.num_computed_tokens = keep * bs
+            self._peak = self.high_water()
+            self.num_computed_tokens = self._settled = keep * bs
             self._recount()
         del self.tokens[num_tokens:]
 
@@ -396,6 +419,33 @@ class Trajectory:
         self._radix.unlock(self.locked_node)
         self.closed = True
         self._manager.deregister(self)
+
+    # ---- the high-water mark, for recompute counts -----------------------------------------
+
+    def high_water(self) -> int:
+        """The most tokens of KV this trajectory has had computed by steps (`mark_computed`;
+        a prefix hit or a fork's inherited KV is not), as capped by `cap_high_water` and
+        reset by `forget_high_water`: what a recompute count compares an admission with.
+
+        Kept without a per-step cost: a step only raises num_computed_tokens, so the count
+        now was reached by a step exactly when it differs from the count right after the
+        last change made otherwise (a prefix hit, a release, a cut, a fork), where the mark
+        so far is folded in (``_peak``).
+        """
+        done = self.num_computed_tokens
+        if done != self._settled and done > self._peak:
+            return done
+        return self._peak
+
+    def cap_high_water(self, num_tokens: int) -> None:
+        """At most ``num_tokens`` count as computed before (a rewind: what follows is new)."""
+        self._peak = min(self.high_water(), num_tokens)
+        self._settled = self.num_computed_tokens
+
+    def forget_high_water(self) -> None:
+        """Nothing counts as computed before (the KV computed so far is forgotten)."""
+        self._peak = 0
+        self._settled = self.num_computed_tokens
 
     # ---- integrity -----------------------------------------------------------------------
 
