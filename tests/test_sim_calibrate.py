@@ -167,3 +167,24 @@ def test_calibrate_check_replays_up_to_the_models_limit(tmp_path, monkeypatch) -
     assert "the shortest first call has 5,000 tokens: raise --max-call-tokens" in " ".join(
         result.output.split()
     )
+
+
+@pytest.mark.parametrize("capacity", [32768, 16384])
+def test_long_decode_batches_read_distinct_contexts_that_fit_the_pool(capacity: int) -> None:
+    """Decodes sharing one long prefix find it in the CPU's cache and run faster than the
+    distinct sessions a replay holds: each long decode reads its own context."""
+    import random
+
+    from kvpilot.sim.calibrate import _episodes
+
+    episodes = _episodes(random.Random(0), 250, False, 8192, capacity)
+    long_batches = [
+        batch
+        for episode in episodes
+        for batch in episode.batches
+        if len(batch) > 1 and all(len(p) > 2000 for p, _ in batch)
+    ]
+    assert {len(b) for b in long_batches} >= {2, 4}
+    for batch in long_batches:
+        assert len({tuple(p[:100]) for p, _ in batch}) == len(batch)
+        assert sum(len(p) + k for p, k in batch) <= capacity  # all 4 run at once

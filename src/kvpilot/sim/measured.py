@@ -1,11 +1,12 @@
 """The real engine as calibration measures it: its own CPU time per step (`StepClock`,
-`MeasuredEngine`), the shape of each batch (`TimedExecutor`), on one torch thread."""
+`MeasuredEngine`), the shape of each batch (`TimedExecutor`), on one torch thread, after a
+`warm_up`."""
 
 from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from kvpilot.engine.config import DEFAULT_BLOCK_SIZE, EngineConfig
 from kvpilot.engine.engine import Engine
 from kvpilot.engine.executor import Executor, SeqWork, StepOutput
 from kvpilot.engine.request import RequestOutput
+from kvpilot.engine.sampling import SamplingParams
 from kvpilot.sim.cost_model import BatchShape, batch_shape
 
 CALIBRATION_CONFIG = EngineConfig.from_kwargs(max_num_batched_tokens=1024, max_prefill_chunk=512)
@@ -35,6 +37,7 @@ class StepClock:
         self._done = 0.0
         self._idle = 0.0
         self._since: float | None = None
+        self.last_s = 0.0  # the CPU time of the last `running` stretch (the last step)
 
     def now(self) -> float:
         running = 0.0 if self._since is None else time.process_time() - self._since
@@ -50,12 +53,17 @@ class StepClock:
         try:
             yield
         finally:
-            self._done += time.process_time() - self._since
+            self.last_s = time.process_time() - self._since
+            self._done += self.last_s
             self._since = None
 
 
 class MeasuredEngine(Engine):
-    """The real engine, its `StepClock` running while it steps."""
+    """The real engine, its `StepClock` running while it steps. ``after_step``, if set, is
+    called with each step's CPU seconds once the clock has stopped (so what it does is not
+    the engine's time): `kvpilot.sim.paired` runs calibration steps there."""
+
+    after_step: Callable[[float], None] | None = None
 
     def step(
         self, *, snapshots: bool = True, idle_until: float | None = None
@@ -63,7 +71,10 @@ class MeasuredEngine(Engine):
         clock = self.clock
         assert isinstance(clock, StepClock)
         with clock.running():
-            return super().step(snapshots=snapshots, idle_until=idle_until)
+            outputs = super().step(snapshots=snapshots, idle_until=idle_until)
+        if self.after_step is not None:
+            self.after_step(clock.last_s)
+        return outputs
 
 
 class TimedExecutor:
@@ -143,3 +154,17 @@ def real_engine(
         clock=StepClock(),
     )
     return engine, timed
+
+
+def warm_up(engine: Engine) -> None:
+    """A first batch pays torch's one-time costs: run one, then empty the prefix cache."""
+    pending = {
+        engine.add_request(prompt, SamplingParams(max_tokens=4, ignore_eos=True))
+        for prompt in ([5] * 300, [6] * 40)
+    }
+    while pending:
+        for o in engine.step():
+            if o.finished and o.request_id in pending:
+                pending.discard(o.request_id)
+                engine.pop_output(o.request_id)
+    engine.kv.radix.evict(engine.kv.device.num_blocks)
