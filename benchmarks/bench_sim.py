@@ -315,20 +315,27 @@ def calibration(quick: bool) -> dict[str, float]:
     }
     for name, check in paired.checks.items():
         c = check.total.to_json()
-        errors = check.pass_errors
+        errors, steady = check.pass_errors, check.steady_errors
         print(
             f"   {name} prompts ({c['prompt_tokens_min']:,}-{c['prompt_tokens_max']:,} tokens, "
             f"{len(replays[name])} sessions, {c['calls']} calls, {len(errors)} passes): real "
             f"{c['real_tokens_per_s']:,.0f} tok/s vs simulated {c['sim_tokens_per_s']:,.0f} "
-            f"(error {c['throughput_error']:.1%}; passes "
-            f"{', '.join(f'{e:+.1%}' for e in errors)}); hit rate real "
-            f"{c['real_hit_rate']:.1%} vs simulated {c['sim_hit_rate']:.1%}"
+            f"(error {c['throughput_error']:.1%}; passes {_signed(errors)}; without the drift "
+            f"the calibration steps alongside saw ({_signed(check.slowness, 1)}): "
+            f"{_signed(steady)}); hit rate real {c['real_hit_rate']:.1%} vs simulated "
+            f"{c['sim_hit_rate']:.1%}"
         )
         figures[f"calib_throughput_error_{name}"] = c["throughput_error"]
         figures[f"calib_throughput_error_{name}_passes_min"] = min(errors)
         figures[f"calib_throughput_error_{name}_passes_max"] = max(errors)
+        figures[f"calib_steady_error_{name}_passes_min"] = min(steady)
+        figures[f"calib_steady_error_{name}_passes_max"] = max(steady)
         figures[f"calib_hit_rate_error_{name}"] = c["hit_rate_error"]
     return figures
+
+
+def _signed(values: list[float] | tuple[float, ...], less: float = 0.0) -> str:
+    return ", ".join(f"{v - less:+.1%}" for v in values)
 
 
 def main() -> None:

@@ -154,3 +154,23 @@ def test_paired_check_sums_passes_and_signs_their_errors() -> None:
     assert paired.total.throughput_error == pytest.approx(0.0)
     assert paired.pass_errors == pytest.approx([10 / 11 - 1, 12 / 11 - 1])
     assert paired.pass_errors[1] > 0  # the simulator faster than the real pass: optimistic
+
+
+def test_slowness_is_measured_over_predicted_time_of_the_steps_alongside() -> None:
+    from kvpilot.sim.paired import slowness
+    from kvpilot.sim.profile import StepProfile
+
+    profile = StepProfile("t", "cpu", "float32", 16, TRUE, 0.0, 10, 1.0, 0.0)
+    shapes = plan_shapes(0)[:20]
+    assert slowness(profile, [StepSample(s, 1.25 * cost(s)) for s in shapes]) == pytest.approx(
+        1.25
+    )
+    assert slowness(profile, []) == 1.0
+
+
+def test_steady_errors_take_out_the_drift_the_calibration_saw() -> None:
+    """A pass that ran 20% fast while the calibration steps alongside ran 20% fast too has
+    no error left; one that ran at the profile's speed keeps its own."""
+    paired = PairedCheck((check(8.0, 10.0), check(11.0, 10.0)), slowness=(0.8, 1.0))
+    assert paired.pass_errors == pytest.approx([-0.2, 0.1])
+    assert paired.steady_errors == pytest.approx([0.0, 0.1])

@@ -11,7 +11,10 @@ times the replays'. Both sides then sample the same stretches of the machine's s
 replays repeat (``passes``, and until one whole calibration plan has run; a plan that ends
 first restarts, reshuffled), and each pass is compared with the simulator replaying the same
 sessions on the fitted profile (deterministic: simulated once). The figure is the error of
-all passes together, with the spread of the passes. The calibration plan in progress when
+all passes together, with the spread of the passes. Drift faster than a pass still shows in
+each pass's error; `PairedCheck.steady_errors` divides it out with the calibration steps run
+alongside that pass (their measured time over the profile's), which leaves the profile's
+own error on the replay's shapes. The calibration plan in progress when
 the last pass ends is cut there: its steps are a random part of a shuffled plan.
 """
 
@@ -34,7 +37,7 @@ from kvpilot.sim.measured import (
     torch_threads,
     warm_up,
 )
-from kvpilot.sim.profile import StepProfile
+from kvpilot.sim.profile import CalibratedCostModel, StepProfile
 from kvpilot.sim.replay import ReplaySession
 from kvpilot.sim.replay_check import ReplayCheck, ReplayRun, run_replay, simulated_engine
 
@@ -94,6 +97,9 @@ class PairedCheck:
     """One trace's replay: each real pass against the (deterministic) simulated replay."""
 
     passes: tuple[ReplayCheck, ...]
+    # Per pass: the calibration steps run alongside it, their measured time over the fitted
+    # profile's (> 1: the machine ran slower than on average while the pass ran).
+    slowness: tuple[float, ...] = ()
 
     @property
     def total(self) -> ReplayCheck:
@@ -116,6 +122,16 @@ class PairedCheck:
     def pass_errors(self) -> list[float]:
         """Each pass's signed throughput error (simulated / real - 1)."""
         return [p.signed_error for p in self.passes]
+
+    @property
+    def steady_errors(self) -> list[float]:
+        """Each pass's signed error with its real time divided by the slowness of the
+        calibration steps run alongside: what is left when the drift both saw is taken out
+        (the profile's own error on this replay's shapes, plus the noise of the slices)."""
+        return [
+            (p.signed_error + 1.0) / s - 1.0
+            for p, s in zip(self.passes, self.slowness, strict=True)
+        ]
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,6 +168,7 @@ def calibrate_with_replays(
             ratio=ratio,
         )
         real: dict[str, list[ReplayRun]] = {name: [] for name in replays}
+        alongside: dict[str, list[tuple[int, int]]] = {name: [] for name in replays}
         done = 0
         while done < passes or pacer.plans_done == 0:
             for name, sessions in replays.items():
@@ -159,8 +176,10 @@ def calibrate_with_replays(
                 warm_up(engine)
                 assert isinstance(engine, MeasuredEngine)
                 engine.after_step = pacer.replayed
+                first = len(pacer.samples)
                 real[name].append(run_replay(engine, sessions))
                 pacer.catch_up()
+                alongside[name].append((first, len(pacer.samples)))
             done += 1
             if on_pass is not None:
                 on_pass(done)
@@ -178,6 +197,14 @@ def calibrate_with_replays(
         sim = simulated_engine(profile, fit_engine, kv_blocks=kv_blocks, config=config)
         simulated = run_replay(sim, sessions)
         checks[name] = PairedCheck(
-            tuple(ReplayCheck.of(sessions, run, simulated) for run in real[name])
+            tuple(ReplayCheck.of(sessions, run, simulated) for run in real[name]),
+            tuple(slowness(profile, pacer.samples[a:b]) for a, b in alongside[name]),
         )
     return PairedCalibration(profile, checks, pacer.plans_done, pacer.calibration_s, pacer.replay_s)
+
+
+def slowness(profile: StepProfile, samples: Sequence[StepSample]) -> float:
+    """Measured time of ``samples`` over the time ``profile`` gives them (1.0 if none)."""
+    model = CalibratedCostModel(profile)
+    predicted = sum(model.step_time_s(s.shape) for s in samples)
+    return sum(s.seconds for s in samples) / predicted if predicted > 0 else 1.0
