@@ -11,7 +11,7 @@ from kvpilot.errors import ConfigError
 from kvpilot.sim.cost_model import BatchShape
 from kvpilot.sim.fit import fit_profile
 from kvpilot.sim.measured import StepSample
-from kvpilot.sim.paired import PairedCheck, Pacer
+from kvpilot.sim.paired import Pacer, PairedCheck
 from kvpilot.sim.replay_check import ReplayCheck
 
 TRUE = (3e-3, 1e-4, 2e-4, 1.3e-6, 1e-7)
@@ -162,9 +162,7 @@ def test_slowness_is_measured_over_predicted_time_of_the_steps_alongside() -> No
 
     profile = StepProfile("t", "cpu", "float32", 16, TRUE, 0.0, 10, 1.0, 0.0)
     shapes = plan_shapes(0)[:20]
-    assert slowness(profile, [StepSample(s, 1.25 * cost(s)) for s in shapes]) == pytest.approx(
-        1.25
-    )
+    assert slowness(profile, [StepSample(s, 1.25 * cost(s)) for s in shapes]) == pytest.approx(1.25)
     assert slowness(profile, []) == 1.0
 
 
