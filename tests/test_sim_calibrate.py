@@ -188,3 +188,22 @@ def test_long_decode_batches_read_distinct_contexts_that_fit_the_pool(capacity: 
     for batch in long_batches:
         assert len({tuple(p[:100]) for p, _ in batch}) == len(batch)
         assert sum(len(p) + k for p, k in batch) <= capacity  # all 4 run at once
+
+
+def test_short_decodes_are_measured_distinct_and_sharing_a_head() -> None:
+    """The profile has no feature for shared KV: it sees both kinds of short decode batch."""
+    import random
+
+    from kvpilot.sim.calibrate import _episodes
+
+    episodes = _episodes(random.Random(0), 250, False, 8192, 32768)
+    short = [
+        batch
+        for episode in episodes
+        for batch in episode.batches
+        if 1 < len(batch) <= 4 and all(800 <= len(p) <= 1500 for p, _ in batch)
+    ]
+    shared = [b for b in short if len({tuple(p[: len(p) * 3 // 4]) for p, _ in b}) == 1]
+    distinct = [b for b in short if len({tuple(p[:50]) for p, _ in b}) == len(b)]
+    assert len(shared) >= 4
+    assert len(distinct) >= 4

@@ -4,7 +4,8 @@ The real engine (a local checkpoint, by default the built-in ``tiny``, on CPU) r
 set of batches across context length up to the model's limit (attention's cost grows with
 the context, and its quadratic term only shows at long ones): lone prefills of many
 lengths, prefills continuing a cached prefix, decode batches of 1-16 sequences at short
-contexts and at half and most of the limit (each sequence on its own cached context, as
+contexts (distinct, and sharing a head as agent sessions share a system prompt) and at half
+and most of the limit (each sequence on its own cached context, as
 concurrent sessions are: one shared prefix stays in the CPU's cache and reads faster), and
 decodes mixed with a prefill chunk. Every `Engine.step` is
 timed whole (scheduler and bookkeeping included, which is what the simulator's clock must
@@ -115,6 +116,14 @@ def _episodes(
     for bs in batch_sizes:
         for ctx in contexts:
             episodes.append(one([(prompt(ctx), decode_steps) for _ in range(bs)]))
+    # Agent sessions share a system prompt: decodes whose contexts share their first three
+    # quarters read those blocks once into the CPU's cache and run faster than distinct ones
+    # (the profile has no feature for sharing, so it is measured both ways).
+    for bs in (b for b in batch_sizes if 1 < b <= 4):
+        for ctx in (c for c in contexts if c >= 800):
+            head = prompt(ctx * 3 // 4)
+            batch = [([*head, *prompt(ctx - len(head))], decode_steps) for _ in range(bs)]
+            episodes.append(_Episode([[(head, 1)], batch]))
     for bs in mixed:
         episodes.append(one([(prompt(300), 24) for _ in range(bs)] + [(prompt(1100), 2)]))
     # Long contexts, up to the model's limit (leaving room for the decodes).
