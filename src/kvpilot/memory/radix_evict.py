@@ -135,52 +135,15 @@ class RadixEviction(ABC):
     def lock(self, node: RadixNode) -> None:
         if not node._alive:
             raise ValueError("cannot lock a node that was evicted")
-        # A locked node's path is locked too and keeps its device copies (neither eviction nor
-        # `drop_copy` takes a locked node's): the check stops at the first locked node.
-        n: RadixNode | None = node
-        while n is not None and not n.lock_count:
-            if Tier.DEVICE not in n.blocks and n.depth_tokens:  # a root holds no blocks
-                raise ValueError(
-                    f"cannot lock: node at depth {n.depth_tokens} has no device copy; load it first"
-                )
-            n = n.parent
-        log = self._lock_log
-        n = node
-        while n is not None:
-            if n.lock_count == 0 and n.depth_tokens:
-                for tier, ids in n.blocks.items():
-                    self._evictable[tier] -= len(ids)
-            n.lock_count += 1
-            if n.lock_count == 2 and log is not None and n.depth_tokens:
-                log.append(n)
-            n = n.parent
-
-    def watch_locks(self, log: list[RadixNode] | None) -> None:
-        """From now on append to ``log`` every non-root node whose lock count crosses between
-        1 and 2, and every node split while it has exactly one lock (the deeper part, which
-        keeps its identity): what can change which blocks a lock holder holds alone
-        (`engine.idle_held`). One watcher per cache; the watcher empties the log. None: stop
-        watching."""
-        if log is not None and self._lock_log is not None and self._lock_log is not log:
-            raise ValueError("this radix cache's locks are already watched")
-        self._lock_log = log
+        self._check_lockable(node)
+        self._lock_up(node, None)
 
     def unlock(self, node: RadixNode) -> None:
         # A node's lock count is at least any child's (check_radix), so when ``node`` is
         # locked, so is its whole path.
         if node.lock_count <= 0:
             raise ValueError(f"unlock of node at depth {node.depth_tokens} that is not locked")
-        log = self._lock_log
-        n: RadixNode | None = node
-        while n is not None:
-            n.lock_count -= 1
-            if n.lock_count == 0 and n.depth_tokens:
-                for tier, ids in n.blocks.items():
-                    self._evictable[tier] += len(ids)
-                    self._push(n, tier)
-            elif n.lock_count == 1 and log is not None and n.depth_tokens:
-                log.append(n)
-            n = n.parent
+        self._unlock_up(node, None)
 
     def relock(self, old: RadixNode, new: RadixNode) -> None:
         """Move one lock from ``old`` to ``new``: `lock` of ``new`` then `unlock` of ``old``,
@@ -207,19 +170,27 @@ class RadixEviction(ABC):
                 self.lock(new)
                 self.unlock(old)
                 return
-        common = a
-        n: RadixNode | None = new
-        # `lock`'s check, stopping as it does (at the latest at ``common``: it is locked)
+        self._check_lockable(new)  # stops at ``a`` at the latest: it is locked
+        self._lock_up(new, a)
+        self._unlock_up(old, a)
+
+    def _check_lockable(self, node: RadixNode) -> None:
+        """ValueError unless ``node``'s path keeps its device copies. A locked node's path is
+        locked too and keeps them (neither eviction nor `drop_copy` takes a locked node's):
+        the check stops at the first locked node."""
+        n: RadixNode | None = node
         while n is not None and not n.lock_count:
-            if Tier.DEVICE not in n.blocks and n.depth_tokens:
+            if Tier.DEVICE not in n.blocks and n.depth_tokens:  # a root holds no blocks
                 raise ValueError(
                     f"cannot lock: node at depth {n.depth_tokens} has no device copy; load it first"
                 )
             n = n.parent
+
+    def _lock_up(self, node: RadixNode, stop: RadixNode | None) -> None:
+        """One more lock on ``node`` and its ancestors below ``stop`` (None: to the root)."""
         log = self._lock_log
-        n = new
-        while n is not common:
-            assert n is not None
+        n: RadixNode | None = node
+        while n is not None and n is not stop:
             if n.lock_count == 0 and n.depth_tokens:
                 for tier, ids in n.blocks.items():
                     self._evictable[tier] -= len(ids)
@@ -227,9 +198,13 @@ class RadixEviction(ABC):
             if n.lock_count == 2 and log is not None and n.depth_tokens:
                 log.append(n)
             n = n.parent
-        n = old
-        while n is not common:
-            assert n is not None
+
+    def _unlock_up(self, node: RadixNode, stop: RadixNode | None) -> None:
+        """One lock fewer on ``node`` and its ancestors below ``stop`` (None: to the root);
+        a node left unlocked is queued for eviction."""
+        log = self._lock_log
+        n: RadixNode | None = node
+        while n is not None and n is not stop:
             n.lock_count -= 1
             if n.lock_count == 0 and n.depth_tokens:
                 for tier, ids in n.blocks.items():
@@ -238,6 +213,16 @@ class RadixEviction(ABC):
             elif n.lock_count == 1 and log is not None and n.depth_tokens:
                 log.append(n)
             n = n.parent
+
+    def watch_locks(self, log: list[RadixNode] | None) -> None:
+        """From now on append to ``log`` every non-root node whose lock count crosses between
+        1 and 2, and every node split while it has exactly one lock (the deeper part, which
+        keeps its identity): what can change which blocks a lock holder holds alone
+        (`engine.idle_held`). One watcher per cache; the watcher empties the log. None: stop
+        watching."""
+        if log is not None and self._lock_log is not None and self._lock_log is not log:
+            raise ValueError("this radix cache's locks are already watched")
+        self._lock_log = log
 
     # ---- eviction ----------------------------------------------------------------------
 
