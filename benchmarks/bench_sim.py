@@ -4,8 +4,11 @@
    trajectories (tool waits from seconds to minutes, forks, a shared 5k-token prefix), sized
    so the node is busy but not overloaded. Prints CPU seconds (``cpu_s_for_1h``, the figure
    to compare: on a shared machine wall time also counts other processes) next to wall
-   seconds, engine steps, and the run's serving figures. A run that wedges (work waiting,
-   nothing admitted) is reported as such: skipping its idle time would be a fake speed-up.
+   seconds, engine steps, and the run's serving figures. The hour runs ``--repeats`` times
+   (default 3) and the median run is quoted, with the fastest and slowest: this machine's
+   speed drifts by 30% within a minute, so one run says little. A run that wedges (work
+   waiting, nothing admitted) is reported as such: skipping its idle time would be a fake
+   speed-up.
 2. Decode runs against single steps: a shorter run both ways must give the same summary;
    the CPU time of each and the speed-up.
 3. Where the time goes: a cProfile of a shorter run, grouped into the engine's step parts,
@@ -19,7 +22,7 @@
 
 Figures taken on a shared machine are distorted by the other processes: quote CPU time.
 
-Usage: python benchmarks/bench_sim.py [--quick] [--skip-calibration] [--hours H]
+Usage: python benchmarks/bench_sim.py [--quick] [--skip-calibration] [--hours H] [--repeats N]
 The last line printed is one JSON object.
 """
 
@@ -165,9 +168,16 @@ def simulate(hours: float, decode_runs: bool = True) -> tuple[SimResult, float, 
     return result, cpu, wall
 
 
-def run_hour(hours: float) -> dict[str, float]:
+def run_hour(hours: float, repeats: int = 3) -> dict[str, float]:
+    """The bench hour ``repeats`` times: the figures of the run with the median CPU time (this
+    machine's speed drifts by 30% within a minute, so one run's CPU seconds say little), with
+    the fastest and slowest next to it. Every run must give the same simulation."""
     workload = WorkloadConfig.from_yaml_text(BENCH_WORKLOAD, "bench workload")
-    result, cpu, wall = simulate(hours)
+    runs = sorted((simulate(hours) for _ in range(repeats)), key=lambda run: run[1])
+    summaries = {json.dumps(_without_timing(r.summary()), sort_keys=True) for r, _, _ in runs}
+    assert len(summaries) == 1, "the same simulation gave different results"
+    result, cpu, wall = runs[len(runs) // 2]
+    cpus = [run[1] / hours for run in runs]
     s = result.summary()
     token_steps = result.prefill_tokens + result.decode_tokens
     per_hour = 1.0 / hours
@@ -177,6 +187,12 @@ def run_hour(hours: float) -> dict[str, float]:
         f"{result.steps:,} engine steps ({result.steps / cpu:,.0f}/s CPU); "
         f"{token_steps / cpu:,.0f} token-steps per CPU second"
     )
+    if repeats > 1:
+        print(
+            f"CPU s per simulated hour over {repeats} identical runs: median "
+            f"{cpus[len(cpus) // 2]:.2f}, fastest {cpus[0]:.2f}, slowest {cpus[-1]:.2f} "
+            "(the figures here: the median run)"
+        )
     print(
         f"serving: {s['output_tokens_per_s']:,.0f} output tok/s, "
         f"{s['trajectories_per_hour']:,.0f} trajectories/h "
@@ -194,6 +210,9 @@ def run_hour(hours: float) -> dict[str, float]:
     return {
         "wall_s_for_1h": wall * per_hour,
         "cpu_s_for_1h": cpu * per_hour,
+        "cpu_s_for_1h_fastest": cpus[0],
+        "cpu_s_for_1h_slowest": cpus[-1],
+        "hour_repeats": float(repeats),
         "sim_s_per_wall_s": result.duration_s / wall,
         "sim_s_per_cpu_s": result.duration_s / cpu,
         "steps_per_hour": result.steps * per_hour,
@@ -205,6 +224,10 @@ def run_hour(hours: float) -> dict[str, float]:
         "output_tokens_per_s": s["output_tokens_per_s"],
         "hit_rate": s["hit_rate"],
     }
+
+
+def _without_timing(summary: dict[str, object]) -> dict[str, object]:
+    return {k: v for k, v in summary.items() if k not in ("wall_s", "sim_s_per_wall_s")}
 
 
 def compare_decode_runs(minutes: float) -> dict[str, float]:
@@ -344,10 +367,16 @@ def main() -> None:
     parser.add_argument("--hours", type=float, default=None, help="simulated hours (default 1)")
     parser.add_argument("--skip-calibration", action="store_true")
     parser.add_argument("--skip-profile", action="store_true")
+    parser.add_argument(
+        "--repeats", type=int, default=None, help="runs of the hour, median quoted (default 3)"
+    )
     args = parser.parse_args()
     hours = args.hours if args.hours is not None else (0.1 if args.quick else 1.0)
     figures: dict[str, float] = {}
-    figures.update(run_hour(hours))
+    repeats = args.repeats if args.repeats is not None else (1 if args.quick else 3)
+    if repeats < 1:
+        parser.error("--repeats must be at least 1")
+    figures.update(run_hour(hours, repeats))
     figures.update(compare_decode_runs(3.0 if args.quick else 6.0))
     if not args.skip_profile:
         figures.update(profile_breakdown(3.0 if args.quick else 10.0))
