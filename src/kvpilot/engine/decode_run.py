@@ -47,7 +47,7 @@ from functools import reduce
 from operator import add, sub
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
-from kvpilot.memory.tiers import Tier
+from kvpilot.memory.tiers import DEVICE
 
 if TYPE_CHECKING:
     from kvpilot.engine.engine import Engine
@@ -56,7 +56,6 @@ if TYPE_CHECKING:
     from kvpilot.memory import Trajectory
 
 MAX_RUN_STEPS = 4096
-_DEVICE = Tier.DEVICE  # an enum member's class attribute lookup is slow on the hot path
 
 
 class TokenStream(NamedTuple):
@@ -130,7 +129,7 @@ def _extends_in_place(traj: Trajectory) -> bool:
         and not node.children
         and node.lock_count == 1
         and len(node.blocks) == 1
-        and _DEVICE in node.blocks
+        and DEVICE in node.blocks
     )
 
 

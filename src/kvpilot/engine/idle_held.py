@@ -39,7 +39,8 @@ from typing import Protocol
 
 from kvpilot.engine.pause_pricing import held_blocks
 from kvpilot.errors import require
-from kvpilot.memory import RadixCache, RadixNode, Tier, Trajectory
+from kvpilot.memory import RadixCache, RadixNode, Trajectory
+from kvpilot.memory.tiers import DEVICE
 
 
 class IdleSession(Protocol):
@@ -47,9 +48,6 @@ class IdleSession(Protocol):
 
     session_id: str
     traj: Trajectory
-
-
-DEVICE = Tier.DEVICE  # a module constant: an enum member's class attribute lookup is slow
 
 
 class _Held:

@@ -28,6 +28,7 @@ from kvpilot.engine.tier_stats import MoveKind, PauseRecord, PauseState, TierSta
 from kvpilot.errors import InvalidRequest, require
 from kvpilot.memory import KVManager, RadixNode, Tier, Trajectory
 from kvpilot.memory.residency import Residency
+from kvpilot.memory.tiers import DEVICE, DISK, HOST
 from kvpilot.policy.breakeven import PauseAction, PauseDecision, PauseInputs, clamp_wait_s
 from kvpilot.policy.meters import PrefillRateMeter, WaitPredictor
 from kvpilot.policy.pause import PausePolicy, make_pause_policy
@@ -50,10 +51,9 @@ class PausableSession(Protocol):
 
 
 DEFAULT_PREFILL_TOKENS_PER_S = 2_000.0
-# Module constants: an enum member's class attribute lookup is slow, and every pause reads these.
-DEVICE = Tier.DEVICE
+# Module constants: an enum member's class attribute lookup is slow, and every pause reads these
+# (the tiers' come from `kvpilot.memory.tiers`).
 RETAIN, RETAINED = PauseAction.RETAIN, PauseState.RETAINED
-HOST, DISK = Tier.HOST, Tier.DISK
 OFFLOADS = (PauseAction.OFFLOAD_HOST, PauseAction.OFFLOAD_DISK)
 IDLE_SAMPLE_S = 1.0  # how often idle memory-time is re-measured (clock seconds)
 

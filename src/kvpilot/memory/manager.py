@@ -14,11 +14,9 @@ from kvpilot.errors import ConfigError, OutOfBlocks, require
 from kvpilot.memory.block_pool import BlockPool
 from kvpilot.memory.radix import RadixCache, RadixNode
 from kvpilot.memory.residency import TierResidency
-from kvpilot.memory.tiers import Tier
+from kvpilot.memory.tiers import DEVICE, Tier
 from kvpilot.memory.trajectory import ForkResult, Trajectory
 from kvpilot.memory.window import NULL_BLOCK, WindowPool
-
-DEVICE = Tier.DEVICE  # a module constant: an enum member's class attribute lookup is slow
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

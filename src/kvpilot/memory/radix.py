@@ -29,9 +29,7 @@ from kvpilot.memory.radix_node import (
     RadixStats,
     as_token_array,
 )
-from kvpilot.memory.tiers import Tier
-
-DEVICE = Tier.DEVICE  # a module constant: an enum member's class attribute lookup is slow
+from kvpilot.memory.tiers import DEVICE, Tier
 
 
 def _counter_clock() -> Callable[[], float]:

@@ -18,10 +18,9 @@ from abc import ABC, abstractmethod
 from kvpilot.memory.block_pool import BlockPool
 from kvpilot.memory.hashing import HASH_BYTES
 from kvpilot.memory.radix_node import RadixNode, RadixObserver, RadixStats
-from kvpilot.memory.tiers import Tier
+from kvpilot.memory.tiers import DEVICE, Tier
 
 TIER_BIT = {Tier.DEVICE: 1, Tier.HOST: 2, Tier.DISK: 4}
-DEVICE = Tier.DEVICE  # a module constant: an enum member's class attribute lookup is slow
 
 
 def is_candidate(node: RadixNode, tier: Tier) -> bool:
