@@ -1,7 +1,8 @@
 """`RadixCache.evict_one_for_reuse` (a full pool's one-block eviction handing the block on
 with the tree's reference) gives what `evict(1)` then `pool.allocate(1)` give: the same
 block, and the same tree, queue, pool and statistics after; or it says -1, and the pair
-after it gives what the pair alone would."""
+after it gives what the pair alone would. `RadixCache.evict_and_allocate(n)` likewise for
+`evict(n - num_free)` then `pool.allocate(n)` (None where the pair must run)."""
 
 from __future__ import annotations
 
@@ -16,9 +17,11 @@ B = 2
 STREAMS = [[1, 1, 2, 2, 3, 3, 4, 4], [1, 1, 2, 2, 5, 5], [1, 1, 6, 6, 7, 7, 8, 8], [9, 9, 1, 1]]
 
 
-def build(prefixes: list[tuple[int, int]], locks: list[int], held: list[int]) -> RadixCache:
+def build(
+    prefixes: list[tuple[int, int]], locks: list[int], held: list[int], free: int = 0
+) -> RadixCache:
     """A cache over a pool of 16 blocks: prefixes of `STREAMS`, some locked, some of its blocks
-    also held by someone else, every other block taken (the pool is full)."""
+    also held by someone else, every other block but ``free`` taken (the pool is full)."""
     ticks = itertools.count()
     pool = BlockPool(16)
     # A coarse clock: nodes share access times, so the queue's ties (requeues) are met.
@@ -36,7 +39,7 @@ def build(prefixes: list[tuple[int, int]], locks: list[int], held: list[int]) ->
     for i in held:
         if cached:
             pool.incref(cached[i % len(cached)])
-    pool.allocate(pool.num_free)
+    pool.allocate(max(0, pool.num_free - free))
     return cache
 
 
@@ -85,6 +88,53 @@ def test_evict_one_for_reuse_equals_evict_then_allocate(
         assert block == expected
         assert state(fast) == state(slow)
         fast.check_invariants()
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    prefixes=st.lists(st.tuples(st.integers(0, 3), st.integers(1, 4)), min_size=1, max_size=6),
+    locks=st.lists(st.integers(0, 30), max_size=3),
+    held=st.lists(st.integers(0, 30), max_size=3),
+    free=st.integers(0, 3),
+    sizes=st.lists(st.integers(1, 6), min_size=1, max_size=5),
+)
+def test_evict_and_allocate_equals_evict_then_allocate(
+    prefixes: list[tuple[int, int]], locks: list[int], held: list[int], free: int, sizes: list[int]
+) -> None:
+    fast, slow = build(prefixes, locks, held, free), build(prefixes, locks, held, free)
+    assert state(fast) == state(slow)
+    for n in sizes:
+        slow_pool, fast_pool = slow.pools[Tier.DEVICE], fast.pools[Tier.DEVICE]
+        short = n - slow_pool.num_free
+        if short > 0:
+            slow.evict(short)
+        expected = slow_pool.allocate(n) if slow_pool.num_free >= n else None
+        blocks = fast.evict_and_allocate(n)
+        if blocks is None:  # the caller does the pair (after at most `peek`'s fixes)
+            assert short > 0
+            fast.evict(short)
+            blocks = fast_pool.allocate(n) if fast_pool.num_free >= n else None
+        assert blocks == expected
+        assert state(fast) == state(slow)
+        fast.check_invariants()
+        if expected is None:
+            break
+        # Give some blocks back (the pool was full again): the next eviction starts from a
+        # free list that is not empty.
+        slow_pool.free(expected[: n % 3])
+        fast_pool.free(blocks[: n % 3])
+
+
+def test_an_admission_under_a_full_pool_trims_the_oldest_leaf_once() -> None:
+    fast = build([(0, 4)], [], [], free=1)
+    leaf = nodes(fast)[-1]
+    tail = leaf.blocks[Tier.DEVICE][-2:]
+    last_free = fast.pools[Tier.DEVICE]._free[-1]
+    assert fast.evict_and_allocate(3) == [tail[1], tail[0], last_free]
+    assert leaf.num_blocks == 2 and fast.stats.evicted_blocks == 2
+    assert fast.pools[Tier.DEVICE].num_free == 0
+    assert fast.cached_blocks() == 2 and fast.evictable_blocks() == 2
+    fast.check_invariants()
 
 
 def test_a_full_pool_trims_the_oldest_leaf_by_one_block_without_the_free_list() -> None:

@@ -361,6 +361,57 @@ class RadixEviction(ABC):
         self.stats.evicted_blocks += 1
         return block
 
+    def evict_and_allocate(self, n: int) -> list[int] | None:
+        """`evict(n - num_free)` then the device pool's `allocate(n)` in one call (an admission's
+        blocks under a full pool, the hot path): the trimmed blocks are handed on with the
+        tree's references (refcount 1, now the caller's) instead of going through the free list.
+
+        The pair gives the same blocks: `evict` trims the least recently used leaf's last
+        ``short`` blocks, ``tail``, and `decref_many` appends them to the free list in that
+        order after the ``num_free`` blocks already there; `allocate(n)` then pops all of them
+        from the end (LIFO): ``reversed(tail)``, then the free list's blocks, last first.
+        Only for evict's one-trim case (the candidate a childless single-copy leaf longer than
+        ``short``, its last ``short`` blocks held by the tree alone) and no `on_free` hook;
+        otherwise None, and the caller does the pair: nothing changed but `peek` fixing the
+        queue's stale top entries, which `evict` does first anyway.
+        """
+        pool = self.pools[DEVICE]
+        short = n - len(pool._free)
+        if short <= 0:
+            return pool.allocate(n)
+        node = self._queues.peek(DEVICE)  # evict's first candidate
+        if node is None or pool.on_free is not None:
+            return None
+        ids = node.blocks[DEVICE]
+        if len(ids) <= short or node.children or len(node.blocks) != 1:  # not one trim
+            return None
+        tail = ids[-short:]
+        if max(map(pool._refcounts.__getitem__, tail)) != 1:  # someone else holds one
+            return None
+        if self.observer is not None:
+            self.observer.evicted(DEVICE, node.hashes[-short * HASH_BYTES :])
+        key = node.last_access
+        del ids[-short:]
+        del node.tokens[-short * self.block_size :]
+        if node._hashes is not None:
+            node._hashes = node._hashes[: -short * HASH_BYTES]
+        node.depth_tokens -= short * self.block_size
+        self._cached[DEVICE] -= short
+        self._evictable[DEVICE] -= short
+        heap = self._queues._heaps[DEVICE]
+        size = len(heap)  # `requeue_top`, when it has something to do (as in `evict`)
+        if (
+            (size > 1 and heap[1][0] <= key)
+            or (size > 2 and heap[2][0] <= key)
+            or size > 2 * self._num_nodes + 1024
+        ):
+            self._queues.requeue_top(DEVICE, self._num_nodes)
+        self.stats.evicted_blocks += short
+        tail.reverse()
+        if short < n:  # the free list's blocks follow, as `allocate` pops them
+            tail += pool.allocate(n - short)
+        return tail
+
     def _release(self, node: RadixNode, tier: Tier) -> int:
         """Drop ``node``'s copy in ``tier``; returns blocks that went back to the free list."""
         if self.observer is not None:

@@ -249,10 +249,14 @@ class Trajectory:
                 if len(table) == 1:  # it was empty: now resident
                     self._manager.resident_trajectories += 1
                 return
-            short = need - len(free)  # pool.num_free, without a property call
-            if short > 0:
-                self._radix.evict(short)
-            self.block_table += pool.allocate(need)
+            if need > len(free):  # a full pool: `evict` then `allocate` as one call
+                blocks = self._radix.evict_and_allocate(need)
+                if blocks is None:  # more than one trim: the pair
+                    self._radix.evict(need - len(free))
+                    blocks = pool.allocate(need)
+                self.block_table += blocks
+            else:
+                self.block_table += pool.allocate(need)
             self.num_private_blocks += need
             if len(self.block_table) == need:  # it was empty: now resident
                 self._manager.resident_trajectories += 1
