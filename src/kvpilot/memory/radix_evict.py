@@ -386,8 +386,10 @@ class RadixEviction(ABC):
         if len(ids) <= short or node.children or len(node.blocks) != 1:  # not one trim
             return None
         tail = ids[-short:]
-        if max(map(pool._refcounts.__getitem__, tail)) != 1:  # someone else holds one
-            return None
+        refs = pool._refcounts
+        for block in tail:
+            if refs[block] != 1:  # someone else holds it too: `evict` would not free it
+                return None
         if self.observer is not None:
             self.observer.evicted(DEVICE, node.hashes[-short * HASH_BYTES :])
         key = node.last_access
