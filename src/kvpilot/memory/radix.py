@@ -162,6 +162,21 @@ class RadixCache(RadixEviction):
             self.stats.hit_tokens += num_tokens
         return MatchResult(node, num_tokens, path)
 
+    def touch_leaf(self, node: RadixNode, length: int) -> bool:
+        """`match` of tokens that continue ``node``'s path, ``below=node``, ``length=length``,
+        where it can only end at ``node`` (the hot path: a session's next turn): a locked leaf
+        whose path fits in ``length`` tokens. Then it does what that match does, refresh the
+        access time of every node on the path (its nodes hold device copies: a locked path
+        keeps them), and says True; otherwise it changes nothing and says False (use `match`).
+        """
+        if node.children or not node.lock_count or node.depth_tokens > length:
+            return False  # depths are whole blocks: within ``length`` is within its blocks
+        now = self._clock()
+        while node.parent is not None:  # `_path_to`'s walk, to the root (excluded)
+            node.last_access = now
+            node = node.parent
+        return True
+
     @staticmethod
     def _path_to(
         node: RadixNode, root: RadixNode, tier: Tier | None, max_tokens: int

@@ -177,6 +177,21 @@ class Trajectory:
         self._require_open()
         n = len(self.tokens)
         end = max(n - 1, 0) if self.reuse_limit is None else min(max(n - 1, 0), self.reuse_limit)
+        # The usual case, a session's next turn: its locked node is a leaf, so the match would
+        # end there, at or below what it has computed; only the path's access times change.
+        if not self._radix.touch_leaf(self.locked_node, end):
+            self._adopt_match(end)
+        if record:
+            self.prompt_tokens_total += n
+            self.hit_tokens_total += self.num_computed_tokens
+            stats = self._radix.stats
+            stats.queried_tokens += n
+            stats.hit_tokens += self.num_computed_tokens
+        return self.num_computed_tokens
+
+    def _adopt_match(self, end: int) -> None:
+        """Match the first ``end`` tokens below the locked node and adopt what is cached past
+        the KV computed so far."""
         match = self._radix.match(
             self.tokens, self.salt, record=False, below=self.locked_node, length=end
         )
@@ -205,13 +220,6 @@ class Trajectory:
                 window.adopt(match.num_tokens // self._bs, computed, self.tokens)
             self._peak = self.high_water()  # a prefix hit is not KV computed by a step
             self.num_computed_tokens = self._settled = match.num_tokens
-        if record:
-            self.prompt_tokens_total += n
-            self.hit_tokens_total += self.num_computed_tokens
-            stats = self._radix.stats
-            stats.queried_tokens += n
-            stats.hit_tokens += self.num_computed_tokens
-        return self.num_computed_tokens
 
     def blocks_needed(self, num_new_tokens: int) -> int:
         if num_new_tokens < 0:
