@@ -121,3 +121,7 @@ def test_a_next_turn_on_a_locked_leaf_touches_its_path_only() -> None:
     other = kv.open_trajectory(tokens=[1, 1, 2, 2, 3])
     other.reuse_prefix()
     assert not kv.radix.touch_leaf(kv.radix.root(), 4)  # a root with children: match
+    traj.close()
+    other.close()
+    assert leaf.lock_count == 0 and not leaf.children
+    assert not kv.radix.touch_leaf(leaf, len(traj.tokens))  # unlocked: its copies may go
