@@ -503,3 +503,17 @@ def test_match_of_a_length_is_match_of_the_slice(
         [(n.depth_tokens, bytes(n.tokens), n.last_access) for n in c.iter_nodes()] for c in caches
     ]
     assert dump[0] == dump[1]
+
+
+@settings(deadline=None, max_examples=100)
+@given(
+    st.lists(st.lists(st.integers(0, 2), min_size=2, max_size=16), min_size=1, max_size=6),
+    st.lists(st.integers(0, 2), max_size=20),
+    st.integers(0, 22),
+    st.integers(0, 5),
+)
+def test_peek_of_a_length_is_peek_of_the_slice(
+    inserted: list[list[int]], query: list[int], length: int, host_every: int
+) -> None:
+    radix = filled_tree(inserted, host_every, host_only_odd=True)
+    assert radix.peek(query, length=length) == radix.peek(query[:length])

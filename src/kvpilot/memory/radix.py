@@ -197,27 +197,39 @@ class RadixCache(RadixEviction):
         return path
 
     def peek(
-        self, tokens: Sequence[int], salt: str | None = None, *, below: RadixNode | None = None
+        self,
+        tokens: Sequence[int],
+        salt: str | None = None,
+        *,
+        below: RadixNode | None = None,
+        length: int | None = None,
     ) -> PeekResult:
         """Look without touching: the longest cached prefix of ``tokens`` in any tier, and per
         tier how many of its blocks have a copy there. Unlike `match` it refreshes no LRU
         time, splits no node and counts toward no statistics, so looking (e.g. to report a
-        session's residency) never changes what gets evicted. ``below``: as for `match`."""
+        session's residency) never changes what gets evicted. ``below`` and ``length``: as
+        for `match`."""
         counts = dict.fromkeys(Tier, 0)
         node = self._roots.get(salt)
         if node is None:
             return PeekResult(0, counts)
         arr = as_token_array(tokens)
+        n = len(arr) if length is None else max(0, min(length, len(arr)))
         bs = self.block_size
-        query = arr.tobytes()
-        end = len(arr) // bs * bs * 4
-        step = 4 * bs
+        size = n // bs * bs  # the block-aligned tokens a match can cover
         if below is not None:
-            for known in self._path_to(below, node, None, end // 4):
+            for known in self._path_to(below, node, None, size):
                 for tier in known.blocks:
                     counts[tier] += known.num_blocks
                 node = known
-        offset = node.depth_tokens * 4
+        base = node.depth_tokens  # covered by the path taken from ``below``
+        if not node.children or base >= size:  # nothing past it to compare: no copy
+            return PeekResult(base, counts)
+        with memoryview(arr) as view:  # only the tokens past it are compared: copy just those
+            query = view[base:size].tobytes()
+        end = len(query)
+        step = 4 * bs
+        offset = 0  # bytes of ``query`` matched
         while offset < end:
             child = node.children.get(query[offset : offset + step])
             if child is None:
@@ -233,7 +245,7 @@ class RadixCache(RadixEviction):
             if k * bs < len(edge):
                 break
             node = child
-        return PeekResult(offset // 4, counts)
+        return PeekResult(base + offset // 4, counts)
 
     def _common_blocks(self, edge: array, query: bytes, offset: int, end: int) -> int:
         n = min(len(edge), (end - offset) // 4)
