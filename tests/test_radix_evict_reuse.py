@@ -194,3 +194,31 @@ def test_a_trajectory_under_a_full_pool_takes_the_block_either_way() -> None:
     again.allocate(1)  # trims the three-block leaf's last block through the one call
     assert kv.radix.cached_blocks() == 2 and kv.radix.stats.evicted_blocks == 2
     kv.radix.check_invariants()  # (the block taken by hand is no holder's: no manager audit)
+
+
+def test_a_trajectory_admitted_under_a_full_pool_takes_its_blocks_in_one_call() -> None:
+    """`Trajectory.allocate` of several blocks with too few free: the trimmed blocks of the
+    oldest leaf, last first, then the free ones, without `evict`; the pair where the oldest
+    leaf is too short for one trim."""
+    kv = KVManager(KVConfig(block_size=B, num_device_blocks=8))
+    old = kv.open_trajectory(tokens=[1] * (5 * B))
+    old.allocate(5 * B)
+    old.mark_computed(5 * B)
+    cached = list(old.block_table)
+    old.close()  # five cached blocks, unlocked
+    kv.device.allocate(2)  # one block left free
+    free = kv.device._free[-1]
+
+    def no_evict(*args: object, **kwargs: object) -> int:
+        raise AssertionError("the one call should have taken the blocks")
+
+    kv.radix.evict = no_evict  # type: ignore[method-assign]
+    new = kv.open_trajectory(tokens=[2] * (3 * B))
+    new.allocate(3 * B)
+    assert new.block_table == [cached[4], cached[3], free]
+    assert kv.radix.cached_blocks() == 3 and kv.radix.stats.evicted_blocks == 2
+    del kv.radix.evict  # the class's again
+    other = kv.open_trajectory(tokens=[3] * (3 * B))
+    other.allocate(3 * B)  # the leaf holds three: evicted whole, through the pair
+    assert other.block_table == [cached[2], cached[1], cached[0]]
+    assert kv.radix.cached_blocks() == 0 and kv.device.num_free == 0
