@@ -11,8 +11,6 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Sequence
-from functools import reduce
-from operator import add
 
 import numpy as np
 
@@ -205,7 +203,10 @@ class SimulatedRunner:
         """Count a run of decode-only steps as `execute` would have, one by one (the caller
         moves the clock)."""
         k = len(durations)
-        self.busy_s = reduce(add, durations, self.busy_s)  # the same additions, in order
+        busy = self.busy_s
+        for dt in durations:  # the same additions as `execute`, in order
+            busy += dt
+        self.busy_s = busy
         self.steps += k
         high = self._high_water
         for seq_id, p in zip(seq_ids, positions, strict=True):
