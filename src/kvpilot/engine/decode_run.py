@@ -213,8 +213,10 @@ def advance_decode_run(
     # another's last step, or the one before it, is not earlier.
     soonest = min(lasts)
     if soonest <= k_max:
-        ends = [running[i] for i, last in enumerate(lasts) if last == soonest]
-        may_finish = finished is not None and all(_session_turn(engine, seq) for seq in ends)
+        may_finish = finished is not None
+        for i, last in enumerate(lasts):
+            if last == soonest and may_finish:
+                may_finish = _session_turn(engine, running[i])
         k_max = soonest if may_finish else soonest - 1
     if k_max < 2:
         return 0
@@ -320,8 +322,10 @@ def _apply(
     for i, seq in enumerate(running):
         traj = seq.traj
         p = positions[i]
-        for j in range(firsts[i], k, block):
+        j = firsts[i]
+        while j < k:  # not range(): most sequences need no block or one in a run
             events.append((j, False, i))
+            j += block
         if commit:
             locked = traj.locked_tokens // block
             first = (locked + 1) * block - p - 1  # the first step whose commit adds
