@@ -124,3 +124,10 @@ def test_execute_counts_recomputed_positions_and_the_shape_of_each_step(
         sim.execute(works)
         assert sim.recomputed_tokens == expected
         assert sim.last_shape == batch_shape(works)
+
+
+def test_a_recorded_decode_run_needs_one_position_per_sequence() -> None:
+    sim = runner(32000)
+    with pytest.raises(ValueError, match="one position per sequence"):
+        sim.record_decode_run([1, 2], [10], [0.01, 0.01])
+    assert (sim.steps, sim.busy_s) == (0, 0.0)  # and nothing counted

@@ -185,6 +185,7 @@ def advance_decode_run(
     firsts: list[int] = []  # sequence i needs a block at steps firsts[i], firsts[i] + B, ...
     lasts: list[int] = []  # the step sampling sequence i's last token is lasts[i] - 1
     stopping: list[tuple[int, Collection[int]]] = []  # sequences with stop tokens: theirs
+    soonest = k_max + 1  # min(lasts) where it is at most k_max (it alone bounds the run)
     for seq in running:  # hot path
         traj = seq.traj
         p = traj.num_computed_tokens
@@ -208,10 +209,11 @@ def advance_decode_run(
         positions.append(p)
         firsts.append(len(traj.block_table) * block - p)
         lasts.append(last)
+        if last < soonest:
+            soonest = last
     # The step sampling a last token is left to step() unless the run may finish every
     # sequence whose last token it samples. Only the soonest to end can bound the run:
     # another's last step, or the one before it, is not earlier.
-    soonest = min(lasts)
     if soonest <= k_max:
         may_finish = finished is not None
         for i, last in enumerate(lasts):

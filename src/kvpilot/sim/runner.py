@@ -179,7 +179,11 @@ class SimulatedRunner:
             offset = first_step - stream.first
             if offset >= 0 and offset + steps <= len(stream.ids):
                 return stream
-        draws = max(steps, min(ahead, _STREAM_MAX_STEPS))
+        # max(steps, min(ahead, _STREAM_MAX_STEPS)), as conditionals: builtin calls that
+        # take keywords cost more than the rest of a stream's lookup
+        draws = ahead if ahead < _STREAM_MAX_STEPS else _STREAM_MAX_STEPS
+        if draws < steps:
+            draws = steps
         stream = TokenStream(first_step, self._draw(seed, first_step, draws))
         if len(streams) >= _STREAM_SEEDS and seed not in streams:
             del streams[next(iter(streams))]
@@ -202,6 +206,8 @@ class SimulatedRunner:
     ) -> None:
         """Count a run of decode-only steps as `execute` would have, one by one (the caller
         moves the clock)."""
+        if len(seq_ids) != len(positions):
+            raise ValueError("a decode run needs one position per sequence")
         k = len(durations)
         busy = self.busy_s
         for dt in durations:  # the same additions as `execute`, in order
@@ -209,7 +215,7 @@ class SimulatedRunner:
         self.busy_s = busy
         self.steps += k
         high = self._high_water
-        for seq_id, p in zip(seq_ids, positions, strict=True):
+        for seq_id, p in zip(seq_ids, positions):  # not strict=True: a keyword call costs more
             mark = high.get(seq_id, 0)
             if p < mark:
                 self.recomputed_tokens += min(p + k, mark) - p
