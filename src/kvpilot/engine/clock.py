@@ -47,7 +47,8 @@ class VirtualClock:
         self._now += seconds
 
     def advance_to(self, t: float) -> None:
-        self._now = max(self._now, t)
+        if t > self._now:  # max(self._now, t) without the builtin's call (a NaN stays put)
+            self._now = t
 
     def move(self, shown: float, t: float) -> None:
         """Jump from ``shown`` to ``t`` (not earlier): a decode run's visit to a later step.

@@ -347,7 +347,11 @@ class RooflineCostModel:
             return run_clock(self.decode_run_s(positions), start, until, max_steps)
         # hot path: `run_clock` of `_full_attention_run_s`, the generator unrolled into it
         n = len(positions)
-        tokens = sum(positions) + n  # kv_read + new tokens of the first step
+        # kv_read + new tokens of the first step, as a float: exact below 2**53 (and so is
+        # each sum below), so `s * tokens` is the product step_time_s takes of the int; float
+        # arithmetic alone takes the interpreter's fast paths
+        tokens = float(sum(positions) + n)
+        step = float(n)
         linear = self._s_per_token * n
         s_pair, weights, s_kv = self._s_per_pair, self._weights_s, self._s_per_kv_token
         overhead = self.step_overhead_s
@@ -365,7 +369,7 @@ class RooflineCostModel:
                 starts.append(t)
                 if t >= until:
                     break
-                tokens += n
+                tokens += step
             return durations, starts
         for _ in range(max_steps):  # the same operations, in the same order, as step_time_s
             compute = linear + s_pair * tokens
@@ -376,7 +380,7 @@ class RooflineCostModel:
             starts.append(t)
             if t >= until:
                 break
-            tokens += n
+            tokens += step
         return durations, starts
 
     def _full_attention_run_s(self, n: int, kv_read: int) -> Iterator[float]:
