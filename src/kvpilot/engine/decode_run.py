@@ -244,21 +244,14 @@ def advance_decode_run(
     if k < 2:
         return 0
     del durations[k:], starts[k + 1 :]
-    run = _Run(positions, firsts, lasts, durations, starts)
-    _apply(engine, run, finished, looks, lookout)
+    _apply(engine, (positions, firsts, lasts, durations, starts), finished, looks, lookout)
     return k
 
 
-class _Run(NamedTuple):
-    """A planned run: per sequence its start position, first block-boundary step and the
-    step count to its last token; the steps' durations and start times (``starts[k]``: the
-    end)."""
-
-    positions: list[int]
-    firsts: list[int]
-    lasts: list[int]
-    durations: list[float]
-    starts: list[float]
+# A planned run: per sequence its start position, first block-boundary step and the step
+# count to its last token; the steps' durations and start times (``starts[k]``: the end).
+# A plain tuple: a NamedTuple's constructor is a Python call, once per run.
+_Run = tuple[list[int], list[int], list[int], list[float], list[float]]
 
 
 def _record_itls(itl: list[float], n: int, gaps: list[float], a: int, b: int, last: int) -> None:
