@@ -215,7 +215,8 @@ class SimulatedRunner:
         self.busy_s = busy
         self.steps += k
         high = self._high_water
-        for seq_id, p in zip(seq_ids, positions):  # not strict=True: a keyword call costs more
+        for i, seq_id in enumerate(seq_ids):  # not zip(strict=True): a keyword call costs more
+            p = positions[i]
             mark = high.get(seq_id, 0)
             if p < mark:
                 self.recomputed_tokens += min(p + k, mark) - p
