@@ -17,6 +17,7 @@ from kvpilot.sim.trajectories import (
     ForkSpec,
     TurnSpec,
     WorkloadGenerator,
+    _every_turn,
     _ids,
     _mix64,
 )
@@ -294,11 +295,14 @@ def test_samplers_draw_what_sample_draws(
     d = Dist(kind, a, a + b if kind == "uniform" else b, lo=min(lo, hi), hi=hi)
     draw, draw_int = d.sampler(), d.int_sampler(minimum)
     ours, theirs = random.Random(seed), random.Random(seed)
-    for _ in range(20):
+    for i in range(20):
         x, y = draw(ours), d.sample(theirs)
         assert x == y and type(x) is type(y)
         assert draw_int(ours) == d.sample_int(theirs, minimum)
+        if i % 3 == 0:  # the lognormal's inlined gauss keeps the pair's second value as gauss
+            assert ours.gauss(0.0, 1.0) == theirs.gauss(0.0, 1.0)
     assert ours.random() == theirs.random()
+    assert ours.gauss(0.0, 1.0) == theirs.gauss(0.0, 1.0)
 
 
 def _reference_turns(
@@ -360,4 +364,6 @@ def test_trajectories_are_the_plain_draws(seed: int, index: int, fork: float) ->
     n = config.turns.sample_int(rng, minimum=1)
     budget = config.max_context_tokens - config.shared_tokens - 1
     turns = tuple(_reference_turns(config, rng, n, budget, 0, True))
-    assert WorkloadGenerator(config).trajectory(index).turns == turns
+    drawn = WorkloadGenerator(config).trajectory(index).turns
+    assert drawn == turns
+    assert all(type(t) is TurnSpec for t in _every_turn(drawn))  # made by `_new_turn`

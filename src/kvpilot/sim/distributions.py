@@ -79,32 +79,48 @@ class Dist:
     def sampler(self) -> Callable[[random.Random], float]:
         """`sample` with the kind chosen and the parameters bound once: the same calls on
         ``rng`` and the same floats, for the workload generator's draws (a few per turn).
-        The clamp is `_clamp`, `sample`'s ``min(max(x, lo), hi)`` without min and max's
-        argument parsing (most of their cost)."""
-        a, b, lo, hi = self.a, self.b, self.lo, self.hi
-        kind = self.kind
-        if kind == "fixed":
-            x = _clamp(a, lo, hi)
+        The clamp is `sample`'s ``min(max(x, lo), hi)`` as two comparisons (min and max
+        parse their arguments, most of their cost), skipped when there are no bounds."""
+        variate, lo, hi = self._variate(), self.lo, self.hi
+        if self.kind == "fixed":
+            x = _clamp(self.a, lo, hi)
             return lambda rng: x
-        if kind == "uniform":
-            return lambda rng: _clamp(rng.uniform(a, b), lo, hi)
-        if kind == "lognormal":
-            exp = math.exp
-            return lambda rng: _clamp(a * exp(rng.gauss(0.0, b)), lo, hi)
-        if kind == "pareto":
-            return lambda rng: _clamp(a * rng.paretovariate(b), lo, hi)
-        rate = 1.0 / a
-        return lambda rng: _clamp(rng.expovariate(rate), lo, hi)
+        if lo == -math.inf and hi == math.inf:
+            return variate  # clamping to (-inf, inf) keeps every float, NaN included
+
+        def draw(rng: random.Random) -> float:
+            x = variate(rng)
+            x = lo if lo > x else x  # _clamp, inline: the generator calls this per turn
+            return hi if hi < x else x
+
+        return draw
 
     def int_sampler(self, minimum: int = 0) -> Callable[[random.Random], int]:
-        """`sample_int` as `sampler` binds `sample`."""
-        draw = self.sampler()
+        """`sample_int` as `sampler` binds `sample`: the variate, then the clamp, the
+        rounding and the minimum in one call."""
+        variate, lo, hi = self._variate(), self.lo, self.hi
 
         def draw_int(rng: random.Random) -> int:
-            n = round(draw(rng))
+            x = variate(rng)
+            x = lo if lo > x else x  # _clamp, inline
+            n = round(hi if hi < x else x)
             return n if n > minimum else minimum  # max(minimum, n)
 
         return draw_int
+
+    def _variate(self) -> Callable[[random.Random], float]:
+        """`sample`'s draw before the clamp, the parameters bound (`sampler`)."""
+        a, b, kind = self.a, self.b, self.kind
+        if kind == "fixed":
+            return lambda rng: a
+        if kind == "uniform":
+            return lambda rng: rng.uniform(a, b)
+        if kind == "lognormal":
+            return _lognormal(a, b)
+        if kind == "pareto":
+            return lambda rng: a * rng.paretovariate(b)
+        rate = 1.0 / a
+        return lambda rng: rng.expovariate(rate)
 
     def median(self) -> float:
         """The distribution's median before clamping (for summaries and hints)."""
@@ -128,6 +144,31 @@ class Dist:
         if self.lo > -math.inf or self.hi < math.inf:
             clamp = f" in [{self.lo:g}, {self.hi:g}]"
         return f"{self.kind}({args}){clamp}"
+
+
+def _lognormal(median: float, sigma: float) -> Callable[[random.Random], float]:
+    """``median * exp(rng.gauss(0.0, sigma))`` with `random.Random.gauss` written out: the
+    same two ``rng.random()`` calls, the same float operations and the same second value
+    kept in ``rng.gauss_next`` for the next call (which any later ``rng.gauss`` reads too),
+    so the generator's stream is unchanged; one call where there were two (the generator
+    draws three of these per turn). ``gauss`` returns ``mu + z * sigma``; with ``mu = 0.0``
+    that is ``z * sigma``, but for -0.0, which `math.exp` maps to 1.0 as it does 0.0."""
+    exp, log, sqrt, cos, sin = math.exp, math.log, math.sqrt, math.cos, math.sin
+
+    def draw(rng: random.Random) -> float:
+        z = rng.gauss_next  # type: ignore[attr-defined]
+        rng.gauss_next = None  # type: ignore[attr-defined]
+        if z is None:
+            x2pi = rng.random() * _TWOPI
+            g2rad = sqrt(-2.0 * log(1.0 - rng.random()))
+            z = cos(x2pi) * g2rad
+            rng.gauss_next = sin(x2pi) * g2rad  # type: ignore[attr-defined]
+        return median * exp(z * sigma)
+
+    return draw
+
+
+_TWOPI = 2.0 * math.pi  # random.TWOPI
 
 
 def _clamp(x: float, lo: float, hi: float) -> float:
