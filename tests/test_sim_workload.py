@@ -218,6 +218,30 @@ def test_content_ids_are_splitmix64_of_a_counter(key: list[int], n: int, vocab: 
     assert _ids(tuple(key), n, vocab) == expected
 
 
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 2**40), first=st.integers(0, 50), count=st.integers(1, 6))
+def test_trajectory_ids_hashed_in_a_batch_are_each_trajectorys_own(
+    seed: int, first: int, count: int
+) -> None:
+    """`trajectory_ids_many` (the driver's batches) gives each trajectory the ids that
+    `content` gives its turns, as `trajectory_ids` of it alone does."""
+    config = WorkloadConfig.from_dict(
+        {
+            "seed": seed,
+            "trajectory": {"turns": {"dist": "uniform", "low": 1, "high": 6}},
+            "branching": {"probability": 0.4, "fork_factor": 2, "max_depth": 1},
+        }
+    )
+    g = WorkloadGenerator(config)
+    specs = [g.trajectory(i) for i in range(first, first + count)]
+    for spec, ids in zip(specs, g.trajectory_ids_many(specs), strict=True):
+        alone = g.trajectory_ids(spec)
+        for turn in _every_turn(spec.turns):
+            got = ids.turn(turn)
+            assert got == alone.turn(turn)
+            assert got.tolist() == g.content(turn.content_seed, turn.new_tokens)
+
+
 @settings(max_examples=25, deadline=None)
 @given(
     seed=st.integers(0, 2**40),

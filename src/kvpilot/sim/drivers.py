@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import itertools
 from array import array
+from collections import deque
 from dataclasses import dataclass
 
 from kvpilot.engine.request import RequestOutput
@@ -46,6 +47,11 @@ class _Actor:
     branches_left: int = 0
 
 
+# Trajectories an `AgentDriver` draws and hashes at a time: hashing ids in batches of 8 costs
+# a quarter less than one by one; more gains little and draws more that are never begun.
+PREPARED = 8
+
+
 class AgentDriver:
     def __init__(self, config: WorkloadConfig, max_model_len: int = 1 << 30) -> None:
         self.config = config
@@ -57,7 +63,8 @@ class AgentDriver:
         self.forks = 0
         self.calls = 0
         self.arrivals = Arrivals(config, self._begin)
-        self._next_index = 0
+        self._next_index = 0  # the next trajectory to draw (`_prepare`)
+        self._ready: deque[tuple[TrajectorySpec, TrajectoryIds]] = deque()  # drawn, not begun
         self._uids = itertools.count()
         self._unstable = config.layout == "unstable"
         self._volatile_at = self.generator.volatile_position()
@@ -84,17 +91,25 @@ class AgentDriver:
         self.arrivals.start(sim)
 
     def _begin(self) -> None:
-        index = self._next_index
-        self._next_index += 1
-        spec = self.generator.trajectory(index)
+        if not self._ready:
+            self._prepare()
+        spec, ids = self._ready.popleft()
         session = self.sim.engine.open_session()
-        ids = self.generator.trajectory_ids(spec)
         actor = _Actor(next(self._uids), spec, ids, spec.turns, session)
         self.started += 1
         prompt = self.generator.first_prompt_ids(spec, ids)
         if self._unstable:
             prompt.insert(self._volatile_at, self._volatile(actor))
         self._send(actor, prompt)
+
+    def _prepare(self) -> None:
+        """Draw the next `PREPARED` trajectories and hash their ids together (a trajectory
+        is a pure function of its index, so drawing it early changes nothing; at most
+        ``PREPARED - 1`` are drawn and never begun)."""
+        first = self._next_index
+        self._next_index += PREPARED
+        specs = [self.generator.trajectory(i) for i in range(first, first + PREPARED)]
+        self._ready.extend(zip(specs, self.generator.trajectory_ids_many(specs), strict=True))
 
     def _volatile(self, actor: _Actor) -> int:
         return self.generator.volatile_token(actor.uid, actor.calls)

@@ -12,7 +12,7 @@ import itertools
 import random
 from array import array
 from bisect import bisect_right
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -134,33 +134,50 @@ class WorkloadGenerator:
 
     def trajectory_ids(self, spec: TrajectorySpec) -> TrajectoryIds:
         """Every turn's `content_ids` of ``spec`` (its forks' branches included), hashed
-        together: one set of array operations per trajectory instead of one per turn.
+        together: one set of array operations per trajectory instead of one per turn."""
+        return self.trajectory_ids_many([spec])[0]
+
+    def trajectory_ids_many(self, specs: Sequence[TrajectorySpec]) -> list[TrajectoryIds]:
+        """`trajectory_ids` of each of ``specs``, hashed in one set of array operations (each
+        costs as much as hashing a few thousand ids: a driver that knows which trajectories
+        come next hashes them in batches).
 
         Turn k's ids are the hash of the counter ``seed_k + j`` (j < n_k), ``seed_k`` derived
         from its content seed as `_key_seed` derives it; the turns' counters laid end to end
         are ``arange(total) + repeat(seed_k - start_k, n_k)``, modulo 2**64 as before."""
-        at: dict[tuple[int, int], int] = {}
+        ats: list[dict[tuple[int, int], int]] = []
+        bounds: list[int] = [0]
         seeds: list[int] = []
+        starts: list[int] = []
         lengths: list[int] = []
         total = 0
-        for turn in _every_turn(spec.turns):
-            key = (turn.content_seed, turn.new_tokens)
-            if key not in at:  # equal keys, equal ids: hashed once
-                at[key] = total
-                seeds.append(turn.content_seed & _MASK64)
-                lengths.append(turn.new_tokens)
-                total += turn.new_tokens
+        for spec in specs:
+            at: dict[tuple[int, int], int] = {}  # within the trajectory's own ids
+            begin = total
+            for turn in _every_turn(spec.turns):
+                key = (turn.content_seed, turn.new_tokens)
+                if key not in at:  # equal keys, equal ids: hashed once
+                    at[key] = total - begin
+                    seeds.append(turn.content_seed & _MASK64)
+                    starts.append(total)
+                    lengths.append(turn.new_tokens)
+                    total += turn.new_tokens
+            ats.append(at)
+            bounds.append(total)
         bases = np.array(seeds, dtype=np.uint64)
         # `_key_seed((config.seed, 3, seed))`, the last step vectorised over the turns.
         bases ^= np.uint64(self._content_key)
         bases += np.uint64(_GOLDEN)
         _mix_in_place(bases)
-        bases -= np.array(list(at.values()), dtype=np.uint64)
+        bases -= np.array(starts, dtype=np.uint64)
         x = np.repeat(bases, lengths)
         x += self._counting(total)
         code = _typecode(self.config.vocab_size)
         ids = _counter_ids(x, self.config.vocab_size).astype(_DTYPES[code])
-        return TrajectoryIds(ids, at, code)
+        return [
+            TrajectoryIds(ids[a:b], at, code)
+            for (a, b), at in zip(itertools.pairwise(bounds), ats, strict=True)
+        ]
 
     def _counting(self, n: int) -> np.ndarray:
         """``np.arange(n, dtype=np.uint64)``, read-only: a view of one array kept and grown
