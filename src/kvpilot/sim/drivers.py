@@ -121,16 +121,13 @@ class AgentDriver:
         rid = self.sim.submit(
             prompt,
             turn.output_tokens,
-            lambda out: self._done(actor, out),
+            functools.partial(self._done, actor),  # a partial calls on without a frame of its own
             session=actor.session,
-            pause=self._pause_hint(actor),
+            pause=pause_hint(self.config.pause_hints, actor.turns, actor.turn, self._tool_median),
         )
         if rid is None:
             self.truncated += 1
             self._end(actor)
-
-    def _pause_hint(self, actor: _Actor) -> tuple[float | None, str | None] | None:
-        return pause_hint(self.config.pause_hints, actor.turns, actor.turn, self._tool_median)
 
     def _next_call(self, actor: _Actor) -> None:
         turn = actor.turns[actor.turn]
@@ -170,7 +167,7 @@ class AgentDriver:
             self.truncated += 1
             self._end(actor)
             return
-        self.sim.after(turn.wait_before_s, lambda: self._next_call(actor))
+        self.sim.after(turn.wait_before_s, functools.partial(self._next_call, actor))
 
     def _end(self, actor: _Actor) -> None:
         actor.session.close()
