@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import pytest
@@ -12,6 +13,7 @@ from hypothesis import strategies as st
 
 from kvpilot.errors import ConfigError
 from kvpilot.sim.distributions import Dist, parse_dist
+from kvpilot.sim.drivers import AgentDriver
 from kvpilot.sim.trajectories import (
     _MASK64,
     ForkSpec,
@@ -391,3 +393,39 @@ def test_trajectories_are_the_plain_draws(seed: int, index: int, fork: float) ->
     drawn = WorkloadGenerator(config).trajectory(index).turns
     assert drawn == turns
     assert all(type(t) is TurnSpec for t in _every_turn(drawn))  # made by `_new_turn`
+
+
+class _RecordingSim:
+    """What `AgentDriver` needs of a simulator to begin trajectories: events run in order,
+    sessions, and a ``submit`` that records each prompt."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[float, Callable[[], None]]] = []
+        self.prompts: list[list[int]] = []
+        self.engine = self
+
+    def open_session(self) -> object:
+        return object()
+
+    def at(self, t: float, fn: Callable[[], None]) -> None:
+        self.events.append((t, fn))
+
+    def submit(self, prompt: Sequence[int], max_tokens: int, on_done: object, **kw: object) -> str:
+        self.prompts.append(list(prompt))
+        return f"r{len(self.prompts)}"
+
+
+@pytest.mark.parametrize("concurrent", [1, 7, 8, 20])
+def test_the_agent_driver_begins_trajectories_in_index_order(concurrent: int) -> None:
+    """The driver draws trajectories in batches (`PREPARED`), yet begins trajectory i with
+    its own first prompt, in index order."""
+    config = WorkloadConfig.from_dict(
+        {"seed": 3, "arrival": {"concurrent": concurrent, "ramp_s": 1}}
+    )
+    driver = AgentDriver(config)
+    sim = _RecordingSim()
+    driver.start(sim)  # type: ignore[arg-type]
+    for _, fn in sim.events:
+        fn()
+    g = WorkloadGenerator(config)
+    assert sim.prompts == [g.first_prompt(g.trajectory(i)) for i in range(concurrent)]
