@@ -22,7 +22,7 @@ from kvpilot.engine.config import EngineConfig, check_honoured
 from kvpilot.engine.executor import Executor, TierTransport, WindowExecutor, window_kv_options
 from kvpilot.engine.idle_skip import IDLE_STEP_S, IdleSkipper
 from kvpilot.engine.offload import OffloadManager
-from kvpilot.engine.outputs import as_prompt_list, snapshot, stop_reason
+from kvpilot.engine.outputs import as_prompt_list, snapshot, stop_reason, stop_rule
 from kvpilot.engine.request import (
     PromptIds,
     Request,
@@ -185,6 +185,7 @@ class Engine:
             raise InvalidRequest(f"request id {rid!r} is already in use")
         hint = pause_hint(expected_tool_wait_s, tool, on_session=session is not None)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(31)
+        stop_ids, stop_texts = stop_rule(params, self.eos_token_ids, self.tokenizer)
         request = Request(
             request_id=rid,
             prompt_ids=PromptIds(ids),
@@ -195,6 +196,8 @@ class Engine:
             salt=salt,
             history_tokens=history,
             pause_hint=hint,
+            stop_ids=stop_ids,
+            stop_texts=stop_texts,
         )
         if session is not None:
             traj = self.sessions.begin_turn(session, request, ids)
@@ -333,13 +336,30 @@ class Engine:
             self._append_token(child, token, now)
 
     def _append_token(self, seq: Sequence, token: int, now: float) -> bool:
-        """Append a sampled token; returns whether it finished the sequence."""
-        seq.traj.append_token(token)
-        seq.output_token_ids.append(token)
-        if seq.first_token_time is None and seq.index == 0 and seq.request.resumed:
-            self.offload.observe_resume_ttft(now - seq.request.arrival_time)
-        self.stats.observe_token(seq, now)
-        reason = stop_reason(seq, token, self.eos_token_ids, self.tokenizer, self.max_model_len)
+        """Append a sampled token and count it; returns whether it finished the sequence.
+
+        Hot path (every token a step samples): `stop_reason` runs only when one of its
+        tests can stop the sequence (most tokens stop nothing); the test below is its tests'
+        first conditions (a stop token, stop strings, either length)."""
+        traj = seq.traj
+        traj.append_token(token)
+        out = seq.output_token_ids
+        out.append(token)
+        request = seq.request
+        if seq.first_token_time is None:
+            if seq.index == 0 and request.resumed:
+                self.offload.observe_resume_ttft(now - request.arrival_time)
+            self.stats.observe_first_token(seq, now)
+        else:
+            self.stats.observe_token(seq, now)
+        if (
+            token not in request.stop_ids
+            and not request.stop_texts
+            and len(out) < request.params.max_tokens
+            and len(traj.tokens) < self.max_model_len
+        ):
+            return False
+        reason = stop_reason(seq, token, self.tokenizer, self.max_model_len)
         if reason is None:
             return False
         self.scheduler.remove(seq)

@@ -6,6 +6,9 @@ from collections.abc import Sequence as Seq
 from typing import Any
 
 from kvpilot.engine.request import CompletionOutput, Request, RequestOutput, Sequence
+from kvpilot.engine.sampling import SamplingParams
+
+_NO_IDS: frozenset[int] = frozenset()
 
 
 def decode(tokenizer: Any, token_ids: Seq[int]) -> str:
@@ -63,25 +66,38 @@ def snapshot(request: Request, tokenizer: Any) -> RequestOutput:
     )
 
 
-def stop_reason(
-    seq: Sequence, token: int, eos_token_ids: frozenset[int], tokenizer: Any, max_model_len: int
-) -> str | None:
-    """Why ``seq`` stops after sampling ``token`` ("stop", "length"), or None to go on.
+def stop_rule(
+    params: SamplingParams, eos_token_ids: frozenset[int], tokenizer: Any
+) -> tuple[frozenset[int], tuple[str, ...]]:
+    """What ends a branch of a request with ``params``, worked out once per request (a
+    `Request`'s ``stop_ids`` and ``stop_texts``): its stop token ids and the model's EOS
+    unless it ignores them, and its stop strings when there is a tokenizer to find them."""
+    ids = frozenset(params.stop_token_ids) if params.stop_token_ids else _NO_IDS
+    if eos_token_ids and not params.ignore_eos:
+        ids = eos_token_ids | ids
+    return ids, (params.stop if tokenizer is not None else ())
+
+
+def stop_reason(seq: Sequence, token: int, tokenizer: Any, max_model_len: int) -> str | None:
+    """Why ``seq`` stops after sampling ``token`` ("stop", "length"), or None to go on
+    (hot path: every token a step samples). The request's `stop_rule` says which tokens and
+    strings stop it.
 
     A stop string cuts the output text where it begins (the text is final from then on).
     """
-    params = seq.request.params
-    if token in params.stop_token_ids or (token in eos_token_ids and not params.ignore_eos):
+    request = seq.request
+    if token in request.stop_ids:
         return "stop"
-    if params.stop and tokenizer is not None:
+    stops = request.stop_texts
+    if stops:
         text = decode(tokenizer, seq.output_token_ids)
-        window = len(seq.output_text) - max(len(s) for s in params.stop)
-        cut = find_stop(text, params.stop, max(0, window))
+        window = len(seq.output_text) - max(len(s) for s in stops)
+        cut = find_stop(text, stops, max(0, window))
         seq.output_text = text if cut is None else text[:cut]
         if cut is not None:
             seq.detok_offset = -1  # text is final
             return "stop"
-    if len(seq.output_token_ids) >= params.max_tokens:
+    if len(seq.output_token_ids) >= request.params.max_tokens:
         return "length"
     if len(seq.traj.tokens) >= max_model_len:
         return "length"

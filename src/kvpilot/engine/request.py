@@ -120,6 +120,10 @@ class Request:
     pause_hint: PauseHint | None = None  # pause when the turn ends
     cached_by_tier: dict[Tier, int] = field(default_factory=_NO_HITS.copy)
     released: bool = False  # finished and filed: its sequences are let go (`release`)
+    # When a branch stops, worked out once per request (`kvpilot.engine.outputs.stop_rule`):
+    # the token ids that end it, and the stop strings it looks for in its text.
+    stop_ids: frozenset[int] = frozenset()
+    stop_texts: tuple[str, ...] = ()
 
     @property
     def prompt_token_ids(self) -> tuple[int, ...]:

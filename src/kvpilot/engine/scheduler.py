@@ -191,9 +191,11 @@ class Scheduler:
         running = self.running
         block = self.kv.block_size
 
-        i = 0
-        while i < len(running) and budget > 0:
-            seq = running[i]
+        # Removing sequences after the current one (victims of a preemption) is safe while
+        # iterating: the loop ends at once whenever it removes the current one or an earlier.
+        for seq in running:
+            if budget <= 0:
+                break
             traj = seq.traj
             computed = traj.num_computed_tokens
             remaining = len(traj.tokens) - computed
@@ -232,7 +234,6 @@ class Scheduler:
             if computed + n > context:
                 context = computed + n
             budget -= n
-            i += 1
 
         if self.waiting and not preempted:  # a preemption admits nothing this step
             budget, prefill, context = self._admit(seqs, works, budget, prefill, context)

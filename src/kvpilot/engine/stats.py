@@ -38,14 +38,16 @@ class EngineStats:
         self.prefill_tokens += prefill_tokens
         self.decode_tokens += decode_tokens
 
+    def observe_first_token(self, seq: Sequence, now: float) -> None:
+        """``seq`` produced its first token at ``now`` (the TTFT of a request's first branch)."""
+        seq.first_token_time = seq.last_token_time = now
+        if seq.index == 0:
+            self.ttft_s.append(now - seq.request.arrival_time)
+        self.generated_tokens += 1
+
     def observe_token(self, seq: Sequence, now: float) -> None:
-        """``seq`` produced a token at ``now`` (TTFT of a request's first branch, else ITL)."""
-        if seq.first_token_time is None:
-            seq.first_token_time = now
-            if seq.index == 0:
-                self.ttft_s.append(now - seq.request.arrival_time)
-        else:
-            self.itl_s.append(now - (seq.last_token_time or now))
+        """``seq`` produced a token after its first at ``now`` (an inter-token latency)."""
+        self.itl_s.append(now - (seq.last_token_time or now))
         seq.last_token_time = now
         self.generated_tokens += 1
 
