@@ -311,13 +311,19 @@ class Engine:
         """A decode run's last step sampled these sequences' last tokens at ``now``: append
         and finish them as `_process` does; returns the outputs of the requests it finished
         (`kvpilot.engine.decode_run`)."""
-        requests = {seq.request.request_id: seq.request for seq, _ in last}
+        requests: list[Request] = []  # in order, each once (a run ends few sequences)
         for seq, token in last:
             self._append_token(seq, token, now)
-        for request in requests.values():
-            self._finish_request_if_done(request)
+            if seq.request not in requests:
+                requests.append(seq.request)
         done = self._finished_outputs
-        return [done[rid] for rid in requests if rid in done]
+        outputs: list[RequestOutput] = []
+        for request in requests:
+            self._finish_request_if_done(request)
+            output = done.get(request.request_id)
+            if output is not None:
+                outputs.append(output)
+        return outputs
 
     def _fan_out(self, parent: Sequence, tokens: list[int], now: float) -> None:
         """n > 1: the prompt was prefilled once; fork it so each branch decodes on its own."""

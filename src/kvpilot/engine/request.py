@@ -20,7 +20,7 @@ import numpy as np
 
 from kvpilot.engine.sampling import SamplingParams
 from kvpilot.errors import InvalidRequest, PromptTooLong
-from kvpilot.memory.tiers import Tier
+from kvpilot.memory.tiers import DEVICE, DISK, HOST, Tier
 
 if TYPE_CHECKING:
     from kvpilot.memory import Trajectory
@@ -134,11 +134,7 @@ class Request:
         """Split the prefix hit by the tier it came from (loads of host and disk blocks)."""
         host = min(host_tokens, self.cached_tokens)
         disk = min(disk_tokens, self.cached_tokens - host)
-        self.cached_by_tier = {
-            Tier.DEVICE: self.cached_tokens - host - disk,
-            Tier.HOST: host,
-            Tier.DISK: disk,
-        }
+        self.cached_by_tier = {DEVICE: self.cached_tokens - host - disk, HOST: host, DISK: disk}
 
     def release(self) -> None:
         """The engine has filed this finished request's output: let its sequences go. They
@@ -204,7 +200,10 @@ class RequestOutput(NamedTuple):
 
     @property
     def generated_tokens(self) -> int:
-        return sum(len(o.token_ids) for o in self.outputs)
+        outputs = self.outputs
+        if len(outputs) == 1:  # n = 1, the common case (the simulator reads it every turn)
+            return len(outputs[0].token_ids)
+        return sum(len(o.token_ids) for o in outputs)
 
     @property
     def text(self) -> str:

@@ -163,6 +163,11 @@ class SessionTable(Mapping[str, Session]):
     def __len__(self) -> int:
         return len(self._sessions)
 
+    def get(self, session_id: str, default: Session | None = None) -> Session | None:  # type: ignore[override]
+        """The open session ``session_id``, else ``default`` (the dict's own lookup: the
+        step loop asks once per finished turn, `Mapping.get` would make two calls of it)."""
+        return self._sessions.get(session_id, default)
+
     def require(self, session_id: str) -> Session:
         """The open session ``session_id``; SessionNotFound if there is none."""
         session = self._sessions.get(session_id)
