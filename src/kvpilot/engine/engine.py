@@ -296,16 +296,22 @@ class Engine:
                 ended.append(seq.request)  # branches: checked as before, rare
             elif append_token(seq, tokens[0], now):
                 ended.append(seq.request)
-        if ended:
-            ended = list({r.request_id: r for r in ended}.values())
-            for request in ended:
+        if progressed is not None:
+            for request in dict.fromkeys(ended):  # each once, in step order
                 self._finish_request_if_done(request)
-        if progressed is None:
-            # A request scheduled this step was unfinished before it (a finished one is
-            # filed and never scheduled again): only those that finished now are filed.
+            return [self._snapshot(r) for r in progressed.values()]
+        # A request scheduled this step was unfinished before it (a finished one is filed
+        # and never scheduled again): only those that finished now are filed. Most steps
+        # finish none.
+        finished: list[RequestOutput] = []
+        if ended:
             done = self._finished_outputs
-            return [done[r.request_id] for r in ended if r.request_id in done]
-        return [self._snapshot(r) for r in progressed.values()]
+            for request in dict.fromkeys(ended):
+                self._finish_request_if_done(request)
+                output = done.get(request.request_id)
+                if output is not None:
+                    finished.append(output)
+        return finished
 
     def end_decode_run(self, last: list[tuple[Sequence, int]], now: float) -> list[RequestOutput]:
         """A decode run's last step sampled these sequences' last tokens at ``now``: append
