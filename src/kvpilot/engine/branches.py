@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from kvpilot.engine.executor import Executor, WindowExecutor
-from kvpilot.engine.request import SeqStatus, Sequence
+from kvpilot.engine.request import RUNNING, Sequence
 from kvpilot.engine.scheduler import Scheduler
 from kvpilot.engine.stats import EngineStats
 from kvpilot.memory import ForkResult, KVManager
@@ -48,7 +48,7 @@ def fork_branches(
     copy_forked_tails(executor, forks, stats)
     for child in children:
         if child.traj.num_computed_tokens:
-            child.status = SeqStatus.RUNNING
+            child.status = RUNNING
             scheduler.running.append(child)
         else:
             scheduler.add(child)

@@ -24,11 +24,11 @@ from kvpilot.engine.idle_skip import IDLE_STEP_S, IdleSkipper
 from kvpilot.engine.offload import OffloadManager
 from kvpilot.engine.outputs import as_prompt_list, snapshot, stop_reason, stop_rule
 from kvpilot.engine.request import (
+    FINISHED,
     PromptIds,
     Request,
     RequestLimits,
     RequestOutput,
-    SeqStatus,
     Sequence,
     encode_prompt,
     pause_hint,
@@ -379,7 +379,7 @@ class Engine:
         return True
 
     def _finish_seq(self, seq: Sequence, reason: str) -> None:
-        seq.status = SeqStatus.FINISHED
+        seq.status = FINISHED
         seq.finish_reason = reason
         seq.finish_time = self.clock.now()
         request = seq.request

@@ -29,7 +29,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Protocol
 
 from kvpilot.engine.executor import Transfer
-from kvpilot.memory.tiers import Tier
+from kvpilot.memory.tiers import DEVICE
 
 if TYPE_CHECKING:
     from kvpilot.engine.clock import Clock
@@ -102,7 +102,7 @@ def idle_state(engine: IdleEngine) -> tuple[object, ...]:
         sched.num_preemptions,
         sched.num_deferred_admissions,
         engine.kv.device.num_free,
-        engine.kv.radix.evictable_blocks(Tier.DEVICE),
+        engine.kv.radix.evictable_blocks(DEVICE),
         tuple(map(id, offload.mover.in_flight())),
         len(offload.records),
         offload.next_event_at(),

@@ -29,10 +29,11 @@ from dataclasses import dataclass
 
 from kvpilot.engine.config import SchedulerConfig
 from kvpilot.engine.executor import SeqWork
-from kvpilot.engine.request import SeqStatus, Sequence
+from kvpilot.engine.request import RUNNING, WAITING, SeqStatus, Sequence
 from kvpilot.errors import OutOfBlocks
-from kvpilot.memory import KVManager, Tier, Trajectory
-from kvpilot.memory.residency import Residency
+from kvpilot.memory import KVManager, Trajectory
+from kvpilot.memory.residency import LOADING, READY, Residency
+from kvpilot.memory.tiers import DEVICE
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,7 +137,7 @@ class Scheduler:
         prefix (SGLang's "lpm"; preempted ones stay ahead of all): admitting a request with
         little cached before one whose prefix is resident would evict that prefix, and both
         would recompute. Measured once, on arrival (a few dict lookups per block)."""
-        seq.status = SeqStatus.WAITING
+        seq.status = WAITING
         waiting = self.waiting
         if not self.config.enable_prefix_caching or not waiting:
             self.resident_at_add[seq.seq_id] = 0
@@ -146,7 +147,7 @@ class Scheduler:
         tokens = traj.token_array()
         query = tokens[: max(len(tokens) - 1, 0)]
         peek = self.kv.radix.peek(query, traj.salt, below=traj.locked_node)
-        resident = max(len(traj.block_table), peek.blocks_by_tier.get(Tier.DEVICE, 0))
+        resident = max(len(traj.block_table), peek.blocks_by_tier.get(DEVICE, 0))
         self.resident_at_add[seq.seq_id] = resident
         at = len(waiting)
         while at > 0 and self.resident_at_add.get(waiting[at - 1].seq_id, resident) < resident:
@@ -283,7 +284,7 @@ class Scheduler:
                 self.on_admit(seq)
             del self.waiting[i]
             self.resident_at_add.pop(seq.seq_id, None)
-            seq.status = SeqStatus.RUNNING
+            seq.status = RUNNING
             self.running.append(seq)
             sample = n == len(traj.tokens) - traj.num_computed_tokens
             seqs.append(seq)
@@ -300,9 +301,9 @@ class Scheduler:
         assert self.ensure_resident is not None
         while True:
             state = self.ensure_resident(seq.traj)
-            if state is Residency.READY:
+            if state is READY:
                 return True
-            if state is Residency.LOADING:
+            if state is LOADING:
                 return False  # its load is in flight
             if self.reclaim_idle is not None and self.reclaim_idle(0):
                 continue
@@ -374,7 +375,7 @@ class Scheduler:
             self.num_swapped_preemptions += 1
         seq.traj.release_kv(keep_in_cache=caching)  # no-op after a swap
         self.running.remove(seq)
-        seq.status = SeqStatus.WAITING
+        seq.status = WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)

@@ -35,6 +35,10 @@ class Residency(enum.Enum):
     NO_ROOM = "no_room"  # it must be loaded, and the device has no free blocks to load into
 
 
+# The members as module constants, for hot paths (as `kvpilot.memory.tiers` does).
+READY, LOADING, NO_ROOM = Residency.READY, Residency.LOADING, Residency.NO_ROOM
+
+
 class TierResidency:
     """Pins and move locks of copies in flight, and the attaching of finished copies."""
 
