@@ -222,7 +222,8 @@ class Engine:
         self._finish_request_if_done(request)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        sched = self.scheduler  # `Scheduler.has_work`, without a second call (every loop)
+        return bool(sched.waiting or sched.running)
 
     # -- the step loop ----------------------------------------------------------------
 
