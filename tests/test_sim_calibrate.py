@@ -19,11 +19,12 @@ from kvpilot.sim.replay import ReplayOptions, load_replay
 MINISWE = Path(__file__).resolve().parents[2] / "shared/traces/lmcache-agent-trace/miniswe"
 
 
-TRUE = (2e-3, 1e-4, 5e-4, 2e-6, 1e-8)
+TRUE = (2e-3, 1e-4, 5e-4, 1.2e-6, 1e-8, 0.8e-6)
 
 
 def true_steps() -> list[StepSample]:
-    """Batch shapes over prefill, decode and context sizes, each with its time under TRUE."""
+    """Batch shapes over prefill, decode and context sizes (decodes on distinct contexts and
+    sharing half of them: equal KV read, less distinct KV), each with its time under TRUE."""
     samples = []
     for p in (0, 16, 200, 512):
         for d in (0, 1, 4, 12):
@@ -32,8 +33,12 @@ def true_steps() -> list[StepSample]:
                     continue
                 seqs = d + (1 if p else 0)
                 shape = BatchShape(seqs, p, d, ctx * seqs, p * p // 2 + d * ctx)
-                t = sum(c * f for c, f in zip(TRUE, shape.features(), strict=True))
-                samples.append(StepSample(shape, t))
+                shapes = [shape]
+                if d > 1 and ctx:  # the same decodes sharing half their context
+                    shapes.append(shape._replace(shared_kv_tokens=(seqs - 1) * ctx // 2))
+                for shape in shapes:
+                    t = sum(c * f for c, f in zip(TRUE, shape.features(), strict=True))
+                    samples.append(StepSample(shape, t))
     return samples
 
 
@@ -130,7 +135,7 @@ def test_calibrate_check_replays_up_to_the_models_limit(tmp_path, monkeypatch) -
         "cpu",
         "float32",
         16,
-        (1e-3, 1e-5, 1e-4, 0, 0),
+        (1e-3, 1e-5, 1e-4, 0, 0, 0),
         1e-6,
         50,
         0.9,
@@ -170,9 +175,12 @@ def test_calibrate_check_replays_up_to_the_models_limit(tmp_path, monkeypatch) -
 
 
 @pytest.mark.parametrize("capacity", [32768, 16384])
-def test_long_decode_batches_read_distinct_contexts_that_fit_the_pool(capacity: int) -> None:
-    """Decodes sharing one long prefix find it in the CPU's cache and run faster than the
-    distinct sessions a replay holds: each long decode reads its own context."""
+def test_long_decode_batches_read_distinct_contexts_and_a_shared_one_that_fit_the_pool(
+    capacity: int,
+) -> None:
+    """Concurrent sessions read their own contexts; agent sessions share a prefix, which
+    stays in the CPU's cache and reads faster: each long batch size is measured both ways,
+    so that the fit can tell ``kv_read_tokens`` from ``distinct_kv_tokens``."""
     import random
 
     from kvpilot.sim.calibrate import _episodes
@@ -184,14 +192,16 @@ def test_long_decode_batches_read_distinct_contexts_that_fit_the_pool(capacity: 
         for batch in episode.batches
         if len(batch) > 1 and all(len(p) > 2000 for p, _ in batch)
     ]
-    assert {len(b) for b in long_batches} >= {2, 4}
+    distinct = {len(b) for b in long_batches if len({tuple(p[:100]) for p, _ in b}) == len(b)}
+    shared = {len(b) for b in long_batches if len({tuple(p[:-8]) for p, _ in b}) == 1}
+    assert distinct >= {2, 4} and shared >= {2, 4}
     for batch in long_batches:
-        assert len({tuple(p[:100]) for p, _ in batch}) == len(batch)
         assert sum(len(p) + k for p, k in batch) <= capacity  # all 4 run at once
 
 
 def test_short_decodes_are_measured_distinct_and_sharing_a_head() -> None:
-    """The profile has no feature for shared KV: it sees both kinds of short decode batch."""
+    """At equal KV read, the fit tells shared KV from distinct: it sees both kinds of short
+    decode batch."""
     import random
 
     from kvpilot.sim.calibrate import _episodes

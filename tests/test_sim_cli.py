@@ -253,9 +253,9 @@ def test_sim_with_a_profile_names_the_profiled_model(cli, tmp_path) -> None:
 
     app, runner = cli
     path = tmp_path / "profile.json"
-    StepProfile("my-tiny", "cpu", "float32", 16, (1e-3, 1e-5, 1e-4, 0, 0), 1e-6, 50, 0.9, 0.1).save(
-        path
-    )
+    StepProfile(
+        "my-tiny", "cpu", "float32", 16, (1e-3, 1e-5, 1e-4, 0, 0, 0), 1e-6, 50, 0.9, 0.1
+    ).save(path)
     args = ["sim", "--profile", str(path), "--kv-blocks", "500", "--duration", "20", "--json"]
     args += ["--workload", str(small_workload(tmp_path))]
     result = runner.invoke(app, args)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from typing import Any
 
 import pytest
@@ -19,6 +20,7 @@ from kvpilot.sim.cost_model import (
     batch_shape,
     decode_run_shape,
     shape_of,
+    shared_kv_tokens,
     window_pairs,
 )
 from kvpilot.sim.profile import PROFILE_FEATURES, CalibratedCostModel, StepProfile
@@ -141,7 +143,7 @@ def _profile(**overrides: object) -> StepProfile:
         "device": "cpu",
         "dtype": "float32",
         "block_size": 16,
-        "coefficients_s": (1e-3, 2e-5, 3e-4, 1e-7, 1e-9),
+        "coefficients_s": (1e-3, 2e-5, 3e-4, 1e-7, 1e-9, 6e-8),
         "copy_block_s": 1e-5,
         "samples": 100,
         "r2": 0.99,
@@ -154,10 +156,16 @@ def _profile(**overrides: object) -> StepProfile:
 def test_calibrated_model_is_linear_in_the_shape_features() -> None:
     model = CalibratedCostModel(_profile())
     shape = BatchShape(
-        5, prefill_tokens=200, decode_seqs=4, kv_read_tokens=3000, attention_pairs=9e4
+        5,
+        prefill_tokens=200,
+        decode_seqs=4,
+        kv_read_tokens=3000,
+        attention_pairs=9e4,  # type: ignore[arg-type]
+        shared_kv_tokens=1200,
     )
-    expected = 1e-3 + 2e-5 * 200 + 3e-4 * 4 + 1e-7 * 3000 + 1e-9 * 9e4
+    expected = 1e-3 + 2e-5 * 200 + 3e-4 * 4 + 1e-7 * 3000 + 1e-9 * 9e4 + 6e-8 * 1800
     assert model.step_time_s(shape) == pytest.approx(expected)
+    assert model.reads_distinct_kv
     assert model.step_time_s(BatchShape()) == 0.0
     assert model.copy_time_s(3) == pytest.approx(3e-5)
     assert model.prefill_tokens_per_s() == pytest.approx(1 / 2e-5)
@@ -189,6 +197,97 @@ def test_bad_profiles_are_rejected_with_a_reason(tmp_path, mutate, message) -> N
     path.write_text(json.dumps(data))
     with pytest.raises(ConfigError, match=message):
         StepProfile.load(path)
+
+
+def test_a_version_1_profile_loads_without_the_distinct_kv_term_and_times_as_before(
+    tmp_path,
+) -> None:
+    # Version 1 had five features; its fit never saw distinct KV: it loads with a zero
+    # coefficient, gives the five-term times it always gave, and needs no distinct count.
+    data = _profile().to_json()
+    coeffs = dict(data["coefficients_s"])  # type: ignore[call-overload]
+    del coeffs["distinct_kv_tokens"]
+    path = tmp_path / "v1.json"
+    path.write_text(json.dumps({**data, "version": 1, "coefficients_s": coeffs}))
+    old = StepProfile.load(path)
+    assert old.coefficients_s == (1e-3, 2e-5, 3e-4, 1e-7, 1e-9, 0.0)
+    model = CalibratedCostModel(old)
+    assert not model.reads_distinct_kv
+    shape = BatchShape(5, 200, 4, 3000, 90_000, shared_kv_tokens=1200)
+    assert model.step_time_s(shape) == 1e-3 + 2e-5 * 200 + 3e-4 * 4 + 1e-7 * 3000 + 1e-9 * 90_000
+    assert model.step_time_s(shape) == model.step_time_s(shape._replace(shared_kv_tokens=0))
+    # A version 2 profile must carry the new coefficient.
+    path.write_text(json.dumps({**data, "coefficients_s": coeffs}))
+    with pytest.raises(ConfigError, match="distinct_kv_tokens"):
+        StepProfile.load(path)
+
+
+@st.composite
+def shared_reads(draw: st.DrawFn) -> tuple[list[int], list[list[int]], int]:
+    """Works' start positions and block tables drawn from a few block ids, so that some
+    share blocks (whole or in part) and some do not."""
+    block = draw(st.sampled_from([1, 4, 16]))
+    ids = st.integers(0, 12)
+    starts, tables = [], []
+    for _ in range(draw(st.integers(0, 6))):
+        start = draw(st.integers(0, 6 * block))
+        table = draw(st.lists(ids, min_size=-(-start // block), max_size=-(-start // block) + 2))
+        starts.append(start)
+        tables.append(table)
+    return starts, tables, block
+
+
+@settings(deadline=None, max_examples=300)
+@given(reads=shared_reads())
+def test_shared_kv_is_the_kv_read_less_the_union_of_the_slots_read(
+    reads: tuple[list[int], list[list[int]], int],
+) -> None:
+    starts, tables, block = reads
+    slots = {
+        (t[q // block], q % block) for s, t in zip(starts, tables, strict=True) for q in range(s)
+    }
+    assert shared_kv_tokens(starts, tables, block) == sum(starts) - len(slots)
+    works = [SeqWork(i, [1], s, t) for i, (s, t) in enumerate(zip(starts, tables, strict=True))]
+    shape = batch_shape(works, block_size=block)
+    assert shape.distinct_kv_tokens == len(slots)
+    assert shape._replace(shared_kv_tokens=0) == batch_shape(works)
+
+
+def test_shared_kv_of_the_docstring_example() -> None:
+    assert shared_kv_tokens([35, 49], [[7, 9, 4], [7, 9, 2, 5]], 16) == 32
+
+
+@settings(deadline=None)
+@given(
+    heads=st.lists(st.integers(0, 5), min_size=1, max_size=12),
+    tails=st.lists(st.integers(1, 70), min_size=12, max_size=12),
+    block=st.sampled_from([4, 16]),
+)
+def test_a_calibrated_decode_run_with_shared_heads_times_each_step_to_the_last_bit(
+    heads: list[int], tails: list[int], block: int
+) -> None:
+    # Sequence i reads a shared head of heads[i] whole blocks (ids 0..), then its own blocks
+    # (ids from 100 * (i + 1)): each step writes its new token to its own blocks only.
+    model = CalibratedCostModel(_profile())
+    positions = [h * block + t for h, t in zip(heads, tails[: len(heads)], strict=True)]
+    tables = [list(range(h)) + [100 * (i + 1) + j for j in range(200)] for i, h in enumerate(heads)]
+    shared = shared_kv_tokens(positions, tables, block)
+    assert shared == sum(h * block for h in heads) - max(heads) * block
+    run = model.decode_run_s(positions, shared)
+    clock = VirtualClock(0.0)
+    durations, starts = [], [0.0]
+    for step in range(40):
+        works = [
+            SeqWork(i, [1], p + step, t)
+            for i, (p, t) in enumerate(zip(positions, tables, strict=True))
+        ]
+        shape = batch_shape(works, block_size=block)
+        assert shape == decode_run_shape(positions, step, (), shared)
+        assert next(run) == model.step_time_s(shape)
+        clock.advance(model.step_time_s(shape))
+        durations.append(model.step_time_s(shape))
+        starts.append(clock.now())
+    assert model.decode_run_clock(positions, 0.0, math.inf, 40, shared) == (durations, starts)
 
 
 def test_unreadable_profile_names_the_file(tmp_path) -> None:

@@ -8,6 +8,7 @@ tables, free list) must be identical.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -20,8 +21,10 @@ from kvpilot.engine.config import EngineConfig
 from kvpilot.engine.decode_run import advance_decode_run
 from kvpilot.engine.engine import Engine
 from kvpilot.memory.radix import RadixNode
+from kvpilot.sim import runner as runner_module
 from kvpilot.sim.build import SimSetup, build_engine
 from kvpilot.sim.drivers import AgentDriver
+from kvpilot.sim.profile import StepProfile
 from kvpilot.sim.runner import SimulatedRunner
 from kvpilot.sim.simulator import Simulator
 from kvpilot.sim.workload import WorkloadConfig
@@ -186,6 +189,47 @@ def test_decode_runs_give_the_same_simulation_as_single_steps(
     wl = workload(seed, agents, forks, wait, turns)
     stepped = state(*simulate(setup, wl, policy, runs=False))
     jumped = state(*simulate(setup, wl, policy, runs=True))
+    assert_same(stepped, jumped)
+
+
+@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seed=st.integers(0, 10_000),
+    agents=st.integers(4, 16),
+    forks=st.sampled_from([0.0, 0.3]),
+    blocks=st.sampled_from([220, 4000]),
+    policy=st.sampled_from(["breakeven", "retain", "drop"]),
+)
+def test_decode_runs_on_a_calibrated_profile_with_shared_kv_give_the_same_simulation(
+    tmp_path_factory: pytest.TempPathFactory,
+    seed: int,
+    agents: int,
+    forks: float,
+    blocks: int,
+    policy: str,
+) -> None:
+    """A measured profile reads shared KV cheaper (the agents share a system prompt, forks
+    share their parent's context): a run's steps charge the shared KV its first step reads,
+    stepping counts it at every step from the block tables; both must agree."""
+    path = tmp_path_factory.mktemp("profile") / "p.json"
+    coefficients = (1e-3, 2e-5, 3e-4, 1e-7, 1e-9, 6e-7)
+    StepProfile("t", "cpu", "float32", 16, coefficients, 1e-5, 20, 1, 0, max_model_len=4096).save(
+        path
+    )
+    setup = dataclasses.replace(setup_for(blocks, 0.9, 512, True), profile=path)
+    wl = workload(seed, agents, forks, 1.5, 4)
+    counted: list[int] = []
+    original = runner_module.shared_kv_tokens
+
+    def counting(*args: Any) -> int:
+        counted.append(original(*args))
+        return counted[-1]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(runner_module, "shared_kv_tokens", counting)
+        stepped = state(*simulate(setup, wl, policy, runs=False))
+        assert max(counted) > 0  # the steps did share KV
+        jumped = state(*simulate(setup, wl, policy, runs=True))
     assert_same(stepped, jumped)
 
 

@@ -14,7 +14,7 @@ from kvpilot.sim.measured import StepSample
 from kvpilot.sim.paired import Pacer, PairedCheck
 from kvpilot.sim.replay_check import ReplayCheck
 
-TRUE = (3e-3, 1e-4, 2e-4, 1.3e-6, 1e-7)
+TRUE = (3e-3, 1e-4, 2e-4, 0.8e-6, 1e-7, 0.5e-6)
 
 
 def cost(shape: BatchShape) -> float:
@@ -30,7 +30,10 @@ def plan_shapes(seed: int) -> list[BatchShape]:
                 if p == 0 and d == 0:
                     continue
                 seqs = d + (1 if p else 0)
-                shapes.append(BatchShape(seqs, p, d, ctx * seqs, p * p // 2 + d * ctx))
+                shape = BatchShape(seqs, p, d, ctx * seqs, p * p // 2 + d * ctx)
+                shapes.append(shape)
+                if d > 1 and ctx:  # the same decodes sharing three quarters of their context
+                    shapes.append(shape._replace(shared_kv_tokens=(seqs - 1) * ctx * 3 // 4))
     random.Random(seed).shuffle(shapes)
     return shapes
 

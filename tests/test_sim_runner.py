@@ -11,6 +11,7 @@ from kvpilot.engine.executor import SeqWork
 from kvpilot.engine.sampling import SamplingParams
 from kvpilot.sim import runner as runner_module
 from kvpilot.sim.cost_model import RooflineCostModel, batch_shape
+from kvpilot.sim.profile import CalibratedCostModel, StepProfile
 from kvpilot.sim.runner import SimulatedRunner
 from kvpilot.sizing.geometry import resolve_geometry
 from kvpilot.sizing.hardware import parse_node
@@ -131,3 +132,41 @@ def test_a_recorded_decode_run_needs_one_position_per_sequence() -> None:
     with pytest.raises(ValueError, match="one position per sequence"):
         sim.record_decode_run([1, 2], [10], [0.01, 0.01])
     assert (sim.steps, sim.busy_s) == (0, 0.0)  # and nothing counted
+
+
+def calibrated_runner(distinct_s: float) -> SimulatedRunner:
+    profile = StepProfile(
+        "t", "cpu", "float32", 4, (1e-3, 2e-5, 3e-4, 1e-7, 1e-9, distinct_s), 1e-5, 20, 1, 0
+    )
+    return SimulatedRunner(CalibratedCostModel(profile), VirtualClock(), num_blocks=64)
+
+
+@settings(deadline=None, max_examples=100)
+@given(
+    steps=st.lists(
+        st.lists(
+            st.tuples(
+                st.integers(0, 30),
+                st.integers(1, 9),
+                st.lists(st.integers(0, 12), min_size=10, max_size=10),
+            ),
+            max_size=5,
+        ),
+        min_size=1,
+        max_size=5,
+    )
+)
+def test_a_runner_whose_cost_model_reads_distinct_kv_counts_it_as_batch_shape_does(
+    steps: list[list[tuple[int, int, list[int]]]],
+) -> None:
+    """Works' block tables drawn from a few ids share blocks whole or in part; a cost model
+    with a zero distinct-KV coefficient needs no count, and gets none."""
+    counting, plain = calibrated_runner(6e-8), calibrated_runner(0.0)
+    assert counting._distinct_kv and not plain._distinct_kv
+    for step in steps:
+        works = [SeqWork(i, [1] * c, p, table) for i, (p, c, table) in enumerate(step)]
+        counting.execute(works)
+        plain.execute(works)
+        assert counting.last_shape == batch_shape(works, block_size=4)
+        assert plain.last_shape == batch_shape(works)
+        assert counting.clock.now() >= plain.clock.now()

@@ -301,7 +301,9 @@ def test_idle_sessions_past_tau_high_give_way_to_new_work() -> None:
 
 
 def test_runner_advances_the_clock_by_the_cost_model() -> None:
-    profile = StepProfile("t", "cpu", "float32", 16, (1e-3, 1e-4, 1e-3, 0.0, 0.0), 1e-5, 1, 1, 0)
+    profile = StepProfile(
+        "t", "cpu", "float32", 16, (1e-3, 1e-4, 1e-3, 0.0, 0.0, 0.0), 1e-5, 1, 1, 0
+    )
     clock = VirtualClock()
     runner = SimulatedRunner(CalibratedCostModel(profile), clock, num_blocks=64, vocab_size=100)
     engine = Engine(runner, EngineConfig(), vocab_size=100, clock=clock)

@@ -68,13 +68,19 @@ class DecodeRunExecutor(Protocol):
     """An executor that can account many decode-only steps at once (the simulator's)."""
 
     def decode_run_clock(
-        self, positions: Sequence[int], start: float, until: float, max_steps: int
+        self,
+        positions: Sequence[int],
+        start: float,
+        until: float,
+        max_steps: int,
+        running: Sequence[Seq],
     ) -> tuple[list[float], list[float]]:
         """Seconds of each successive step decoding sequences at ``positions`` (their start
         positions at the first step), exactly as `execute` would take, from clock time
         ``start``: up to ``max_steps`` steps or to the first that ends at or after ``until``.
         And their start times, each the previous one plus its step's duration, as a clock
-        advanced step by step adds them, followed by the last step's end."""
+        advanced step by step adds them, followed by the last step's end. ``running``: the
+        sequences at ``positions`` (whose block tables `execute` would read)."""
         ...
 
     def decode_run_stream(
@@ -222,7 +228,7 @@ def advance_decode_run(
         k_max = soonest if may_finish else soonest - 1
     if k_max < 2:
         return 0
-    durations, starts = run_clock(positions, now, until, k_max)
+    durations, starts = run_clock(positions, now, until, k_max, running)
     k = len(durations)
     # Stay within the blocks free or evictable from the cache (allocating evicts, in the
     # same order as step() would).

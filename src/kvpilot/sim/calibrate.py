@@ -4,16 +4,17 @@ The real engine (a local checkpoint, by default the built-in ``tiny``, on CPU) r
 set of batches across context length up to the model's limit (attention's cost grows with
 the context, and its quadratic term only shows at long ones): lone prefills of many
 lengths, prefills continuing a cached prefix, decode batches of 1-16 sequences at short
-contexts (distinct, and sharing a head as agent sessions share a system prompt) and at half
-and most of the limit (each sequence on its own cached context, as
-concurrent sessions are: one shared prefix stays in the CPU's cache and reads faster), and
-decodes mixed with a prefill chunk. Every `Engine.step` is
+contexts and of 1-4 at half and most of the limit, each both on distinct contexts and
+sharing a prefix as agent sessions share a system prompt (a shared prefix stays in the
+CPU's cache and reads faster: at equal KV read, the pairs separate ``kv_read_tokens`` from
+``distinct_kv_tokens``), and decodes mixed with a prefill chunk. Every `Engine.step` is
 timed whole (scheduler and bookkeeping included, which is what the simulator's clock must
 account for), and the profile is the least-squares fit, in relative error (weighted by the
 fitted time, so the mean step time comes out unbiased: see `fit_profile`) and with
 non-negative coefficients, of::
 
     step_s = a + b * prefill_tokens + c * decode_seqs + d * kv_read_tokens + e * attention_pairs
+             + f * distinct_kv_tokens
 
 `check_replay` (`kvpilot.sim.replay_check`) then replays the same trace on the real engine
 and on the simulator with that profile (same engine config, same KV pool) and compares
@@ -118,7 +119,7 @@ def _episodes(
             episodes.append(one([(prompt(ctx), decode_steps) for _ in range(bs)]))
     # Agent sessions share a system prompt: decodes whose contexts share their first three
     # quarters read those blocks once into the CPU's cache and run faster than distinct ones
-    # (the profile has no feature for sharing, so it is measured both ways).
+    # (measured both ways, so that the fit can tell ``distinct_kv_tokens`` apart).
     for bs in (b for b in batch_sizes if 1 < b <= 4):
         for ctx in (c for c in contexts if c >= 800):
             head = prompt(ctx * 3 // 4)
@@ -136,9 +137,9 @@ def _episodes(
     # At most 4 long decodes at once: past ~30k tokens of context in one step the CPU reads
     # KV from memory, not cache, and a step costs up to 2.5x per token (12 sequences at 90%
     # of the limit); no linear profile fits both, and replays run a few sessions at a time.
-    # Each sequence has its own context, as concurrent sessions do: decodes that all read one
-    # shared prefix find it in the CPU's cache and run up to 1.8x faster per token read (a
-    # profile fitted on them was 7-12% optimistic on 4-8k-token replays).
+    # Each sequence on its own context, as concurrent sessions are, and the same batches all
+    # reading one shared prefix, which stays in the CPU's cache and reads up to 1.8x faster
+    # per token: at equal KV read, the fit tells the two apart (``distinct_kv_tokens``).
     long_batches = (1, 4) if quick else (1, 2, 4)
     width = max(long_batches)
     fits = (capacity - 1500) // width  # the distinct contexts and the mixed batch fit the pool
@@ -150,6 +151,11 @@ def _episodes(
         ]
         batches.append([([*base, *prompt(20)], 24) for base in bases] + [(prompt(1100), 2)])
         episodes.append(_Episode(batches))
+        head = bases[0]
+        for bs in (b for b in long_batches if b > 1):
+            episodes.append(
+                _Episode([[(head, 1)], [([*head, *prompt(8)], decode_steps) for _ in range(bs)]])
+            )
     return episodes
 
 

@@ -22,6 +22,11 @@ counts the masked half of the square too. A sliding-window layer group ``g`` of 
 (``window_kv_read``, ``window_pairs``). Weights are streamed once per step whatever the
 batch (every expert of a mixture-of-experts model: an upper bound at large batch).
 
+``shared_kv_tokens`` is the KV a step reads more than once (several sequences reading one
+cached prefix: agent sessions sharing a system prompt); the roofline charges every read, but
+a measured profile may read shared KV faster (`CalibratedCostModel`). A cost model that reads
+it says so (``reads_distinct_kv``): only then does the simulated runner count it.
+
 `decode_run_s` gives the durations of successive decode-only steps (the simulator's uniform
 decode runs), equal bit for bit to `step_time_s` of each step's shape; `decode_run_clock`
 the same durations with the clock times they lead to, as far as a run may go.
@@ -29,7 +34,7 @@ the same durations with the clock times they lead to, as far as a run may go.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import islice
 from typing import NamedTuple, Protocol
@@ -47,7 +52,9 @@ class BatchShape(NamedTuple):
     longer works are prefill chunks. ``kv_read_tokens`` is the cached context every work
     attends to (its ``start_pos``); ``new_tokens`` is the KV the step writes. For each
     sliding window W of the cost model (``windows``), ``window_kv_read[i]`` and
-    ``window_pairs[i]`` are the same figures capped by the window.
+    ``window_pairs[i]`` are the same figures capped by the window. ``shared_kv_tokens`` is
+    ``kv_read_tokens`` less the distinct KV read (`shared_kv_tokens`); 0 (nothing shared)
+    unless the cost model reads it (``reads_distinct_kv``).
 
     A named tuple, not a frozen dataclass: the simulated runner builds one per step, and a
     frozen dataclass's ``__init__`` sets each field through ``object.__setattr__``.
@@ -60,10 +67,16 @@ class BatchShape(NamedTuple):
     attention_pairs: int = 0
     window_kv_read: tuple[int, ...] = ()
     window_pairs: tuple[int, ...] = ()
+    shared_kv_tokens: int = 0
 
     @property
     def new_tokens(self) -> int:
         return self.prefill_tokens + self.decode_seqs
+
+    @property
+    def distinct_kv_tokens(self) -> int:
+        """KV tokens read, each cached slot counted once however many works read it."""
+        return self.kv_read_tokens - self.shared_kv_tokens
 
     def features(self) -> tuple[float, ...]:
         """The regressors of `CalibratedCostModel`, in `PROFILE_FEATURES` order."""
@@ -73,6 +86,7 @@ class BatchShape(NamedTuple):
             float(self.decode_seqs),
             float(self.kv_read_tokens),
             float(self.attention_pairs),
+            float(self.kv_read_tokens - self.shared_kv_tokens),
         )
 
 
@@ -87,7 +101,43 @@ def window_pairs(c: int, p: int, window: int) -> int:
     return (lo + window) * (window - lo + 1) // 2 + window * (hi - window)
 
 
-def batch_shape(works: Sequence[SeqWork], windows: Sequence[int] = ()) -> BatchShape:
+def shared_kv_tokens(
+    starts: Iterable[int], tables: Iterable[Sequence[int]], block_size: int
+) -> int:
+    """KV tokens a step reads more than once: the total read less the distinct KV read.
+
+    A work at ``start`` reads the first ``start`` slots of its ``table``'s blocks: every slot
+    of the first ``start // block_size`` blocks and the first ``start % block_size`` of the
+    next. The distinct KV is the union of those slots over the works, each block counted once
+    (a block read whole by one work and in part by another counts whole)::
+
+        work a:  [ 7 ][ 9 ][ 4:3/16 ]        start 35 = 2 * 16 + 3
+        work b:  [ 7 ][ 9 ][ 2 ][ 5:1/16 ]   start 49 = 3 * 16 + 1
+        read 84, distinct 16 * 3 + 3 + 1 = 52 (blocks 7, 9, 2 whole; 4 and 5 in part), shared 32
+    """
+    whole: set[int] = set()
+    part: dict[int, int] = {}
+    read = 0
+    for start, table in zip(starts, tables, strict=True):
+        read += start
+        n_whole, tail = divmod(start, block_size)
+        whole.update(table[:n_whole])
+        if tail:
+            block = table[n_whole]
+            if part.get(block, 0) < tail:
+                part[block] = tail
+    distinct = block_size * len(whole)
+    for block, tail in part.items():
+        if block not in whole:
+            distinct += tail
+    return read - distinct
+
+
+def batch_shape(
+    works: Sequence[SeqWork], windows: Sequence[int] = (), block_size: int | None = None
+) -> BatchShape:
+    """The shape of a step of ``works``; with ``block_size``, its ``shared_kv_tokens`` too
+    (from the works' block tables)."""
     prefill = decode = kv_read = pairs = 0
     w_read = [0] * len(windows)
     w_pairs = [0] * len(windows)
@@ -103,7 +153,14 @@ def batch_shape(works: Sequence[SeqWork], windows: Sequence[int] = ()) -> BatchS
         for i, size in enumerate(windows):
             w_read[i] += min(p, size)
             w_pairs[i] += window_pairs(c, p, size)
-    return BatchShape(len(works), prefill, decode, kv_read, pairs, tuple(w_read), tuple(w_pairs))
+    shared = 0
+    if block_size is not None:
+        shared = shared_kv_tokens(
+            [w.start_pos for w in works], [w.block_table for w in works], block_size
+        )
+    return BatchShape(
+        len(works), prefill, decode, kv_read, pairs, tuple(w_read), tuple(w_pairs), shared
+    )
 
 
 def shape_of(
@@ -119,10 +176,13 @@ def shape_of(
 
 
 def decode_run_shape(
-    positions: Sequence[int], step: int, windows: Sequence[int] = ()
+    positions: Sequence[int], step: int, windows: Sequence[int] = (), shared: int = 0
 ) -> BatchShape:
     """The shape of step ``step`` of a decode-only run of sequences at ``positions`` (their
-    ``start_pos`` at step 0): what `batch_shape` gives for that step's works."""
+    ``start_pos`` at step 0) that read ``shared`` KV tokens more than once at step 0: what
+    `batch_shape` gives for that step's works. The shared KV stays the same over the run:
+    the tokens a run decodes go to each sequence's own blocks (the engine never writes into
+    a block another sequence reads)."""
     n = len(positions)
     kv_read = sum(positions) + n * step
     return BatchShape(
@@ -133,6 +193,7 @@ def decode_run_shape(
         kv_read + n,
         tuple(sum(min(p + step, size) for p in positions) for size in windows),
         tuple(sum(min(p + step + 1, size) for p in positions) for size in windows),
+        shared,
     )
 
 
@@ -188,6 +249,12 @@ class StepCostModel(Protocol):
         """Sliding windows (tokens) whose capped figures `BatchShape` must carry."""
         ...
 
+    @property
+    def reads_distinct_kv(self) -> bool:
+        """Whether `step_time_s` reads ``shared_kv_tokens`` (the runner counts it only then),
+        and `decode_run_clock` its ``shared_kv_tokens``."""
+        ...
+
     def step_time_s(self, shape: BatchShape) -> float:
         """Seconds one iteration of this shape takes."""
         ...
@@ -198,10 +265,16 @@ class StepCostModel(Protocol):
         ...
 
     def decode_run_clock(
-        self, positions: Sequence[int], start: float, until: float, max_steps: int
+        self,
+        positions: Sequence[int],
+        start: float,
+        until: float,
+        max_steps: int,
+        shared_kv_tokens: int = 0,
     ) -> tuple[list[float], list[float]]:
         """`run_clock` of `decode_run_s`: the durations of the run's steps from clock time
-        ``start`` and their start times."""
+        ``start`` and their start times. ``shared_kv_tokens``: the KV the run's steps read
+        more than once (the same at every step; only given when ``reads_distinct_kv``)."""
         ...
 
     def copy_time_s(self, num_blocks: int) -> float:
@@ -287,6 +360,10 @@ class RooflineCostModel:
         return self._windows
 
     @property
+    def reads_distinct_kv(self) -> bool:
+        return False  # HBM streams every read, shared or not
+
+    @property
     def kv_bytes_per_token(self) -> int:
         """KV bytes of one token in every attention layer, on one device of the TP group:
         what one slot of the engine's blocks holds (its blocks span every layer)."""
@@ -341,7 +418,12 @@ class RooflineCostModel:
         return self._window_run_s(positions, n, kv_read, windows)
 
     def decode_run_clock(
-        self, positions: Sequence[int], start: float, until: float, max_steps: int
+        self,
+        positions: Sequence[int],
+        start: float,
+        until: float,
+        max_steps: int,
+        shared_kv_tokens: int = 0,  # not read (reads_distinct_kv is False)
     ) -> tuple[list[float], list[float]]:
         if self._windows:
             return run_clock(self.decode_run_s(positions), start, until, max_steps)

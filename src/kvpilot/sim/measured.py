@@ -78,7 +78,8 @@ class MeasuredEngine(Engine):
 
 
 class TimedExecutor:
-    """A real executor that remembers the shape of its last batch."""
+    """A real executor that remembers the shape of its last batch (with the KV its works
+    read more than once, from their block tables)."""
 
     def __init__(self, inner: Executor) -> None:
         self.inner = inner
@@ -89,7 +90,7 @@ class TimedExecutor:
         self.max_context = 0  # the longest context any step reached
 
     def execute(self, works: Sequence[SeqWork]) -> StepOutput:
-        self.last_shape = batch_shape(works)
+        self.last_shape = batch_shape(works, block_size=self.block_size)
         for w in works:
             self.max_context = max(self.max_context, w.start_pos + len(w.token_ids))
         return self.inner.execute(works)

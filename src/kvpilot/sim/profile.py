@@ -4,6 +4,15 @@
 `kvpilot.sim.calibrate`)::
 
     step = a + b * prefill_tokens + c * decode_seqs + d * kv_read_tokens + e * attention_pairs
+           + f * distinct_kv_tokens
+
+``distinct_kv_tokens`` is the KV read with each cached slot counted once however many
+sequences of the step read it (`BatchShape.distinct_kv_tokens`): a prefix that several
+sequences read (agent sessions sharing a system prompt) stays in the CPU's cache after the
+first read, so its tokens cost ``d`` each, and distinct ones ``d + f``.
+
+Profiles of version 1 (before ``distinct_kv_tokens``) load with ``f = 0``: their fit never
+saw the feature, and the model then gives exactly the times it gave them before.
 
 It describes the model it was measured on as the engine runs it today: every layer full
 attention (the engine keeps every layer's KV), so it carries no window figures.
@@ -21,14 +30,17 @@ from kvpilot.errors import ConfigError
 from kvpilot.sim.cost_model import BatchShape, run_clock
 
 PROFILE_KIND = "kvpilot-step-profile"
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2
 PROFILE_FEATURES: tuple[str, ...] = (
     "const",
     "prefill_tokens",
     "decode_seqs",
     "kv_read_tokens",
     "attention_pairs",
+    "distinct_kv_tokens",
 )
+# The features each older version's profiles have; those they lack load as 0.
+_VERSION_FEATURES: dict[int, tuple[str, ...]] = {1: PROFILE_FEATURES[:5], 2: PROFILE_FEATURES}
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,16 +85,18 @@ class StepProfile:
     def from_json(cls, data: object, source: str = "profile") -> StepProfile:
         if not isinstance(data, dict) or data.get("kind") != PROFILE_KIND:
             raise ConfigError(f"{source} is not a kvpilot step profile (kind {PROFILE_KIND!r})")
-        if data.get("version") != PROFILE_VERSION:
+        version = data.get("version")
+        known = _VERSION_FEATURES.get(version) if type(version) is int else None
+        if known is None:
             raise ConfigError(
-                f"{source}: profile version {data.get('version')!r}, this kvpilot reads "
-                f"version {PROFILE_VERSION}; recalibrate"
+                f"{source}: profile version {version!r}, this kvpilot reads versions "
+                f"{sorted(_VERSION_FEATURES)}; recalibrate"
             )
         try:
             coeffs = data["coefficients_s"]
             if not isinstance(coeffs, dict):
                 raise TypeError("coefficients_s must be an object")
-            missing = [f for f in PROFILE_FEATURES if f not in coeffs]
+            missing = [f for f in known if f not in coeffs]
             if missing:
                 raise KeyError(f"coefficients_s lacks {missing}")
             return cls(
@@ -90,7 +104,9 @@ class StepProfile:
                 device=str(data["device"]),
                 dtype=str(data["dtype"]),
                 block_size=int(data["block_size"]),
-                coefficients_s=tuple(float(coeffs[f]) for f in PROFILE_FEATURES),
+                coefficients_s=tuple(
+                    float(coeffs[f]) if f in known else 0.0 for f in PROFILE_FEATURES
+                ),
                 copy_block_s=float(data["copy_block_s"]),
                 samples=int(data["samples"]),
                 r2=float(data["r2"]),
@@ -131,6 +147,7 @@ class CalibratedCostModel:
             + c[2] * shape.decode_seqs
             + c[3] * shape.kv_read_tokens
             + c[4] * shape.attention_pairs
+            + c[5] * (shape.kv_read_tokens - shape.shared_kv_tokens)
         )
         return max(t, 0.0)
 
@@ -138,19 +155,38 @@ class CalibratedCostModel:
     def windows(self) -> tuple[int, ...]:
         return ()
 
-    def decode_run_s(self, positions: Sequence[int]) -> Iterator[float]:
+    @property
+    def reads_distinct_kv(self) -> bool:
+        # With a zero coefficient the term adds +0.0 whatever the count: no need to count.
+        return self.profile.coefficients_s[5] != 0.0
+
+    def decode_run_s(self, positions: Sequence[int], shared_kv_tokens: int = 0) -> Iterator[float]:
+        """Each step of a decode run; ``shared_kv_tokens`` (read more than once) stays the
+        same at every step, as the tokens decoded go to each sequence's own blocks."""
         n = len(positions)
         kv_read = sum(positions)
         c = self.profile.coefficients_s
         while True:  # the same operations, in the same order, as step_time_s
-            t = c[0] + c[1] * 0 + c[2] * n + c[3] * kv_read + c[4] * (kv_read + n)
+            t = (
+                c[0]
+                + c[1] * 0
+                + c[2] * n
+                + c[3] * kv_read
+                + c[4] * (kv_read + n)
+                + c[5] * (kv_read - shared_kv_tokens)
+            )
             yield max(t, 0.0)
             kv_read += n
 
     def decode_run_clock(
-        self, positions: Sequence[int], start: float, until: float, max_steps: int
+        self,
+        positions: Sequence[int],
+        start: float,
+        until: float,
+        max_steps: int,
+        shared_kv_tokens: int = 0,
     ) -> tuple[list[float], list[float]]:
-        return run_clock(self.decode_run_s(positions), start, until, max_steps)
+        return run_clock(self.decode_run_s(positions, shared_kv_tokens), start, until, max_steps)
 
     def copy_time_s(self, num_blocks: int) -> float:
         return num_blocks * self.profile.copy_block_s

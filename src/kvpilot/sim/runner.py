@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -19,7 +20,16 @@ from kvpilot.engine.decode_run import TokenStream
 from kvpilot.engine.executor import SeqWork, StepOutput
 from kvpilot.errors import ConfigError
 from kvpilot.memory.hashing import ModelFingerprint
-from kvpilot.sim.cost_model import BatchShape, StepCostModel, decode_run_shape, window_pairs
+from kvpilot.sim.cost_model import (
+    BatchShape,
+    StepCostModel,
+    decode_run_shape,
+    shared_kv_tokens,
+    window_pairs,
+)
+
+if TYPE_CHECKING:
+    from kvpilot.engine.request import Sequence as Seq
 
 _SEED_MUL, _STEP_MUL, _DRAW_MUL, _MASK = 0x9E3779B1, 0x85EBCA77, 0xC2B2AE3D, 0xFFFFFFFF
 _VECTOR_MIN_TOKENS = 48  # fewer draws than this: a comprehension beats numpy's fixed cost
@@ -73,6 +83,11 @@ class SimulatedRunner:
         self.recomputed_tokens = 0
         self._last_shape = BatchShape()
         self._last_run: tuple[Sequence[int], int] | None = None  # (positions, last step)
+        # Whether a step's shape needs more than the sums `execute` makes in its loop: window
+        # figures, or the KV read more than once (counted only for a cost model reading it).
+        self._distinct_kv = cost.reads_distinct_kv
+        self._plain_shape = not cost.windows and not self._distinct_kv
+        self._run_shared = 0  # the shared KV of the last decode run's clock
         self._high_water: dict[int, int] = {}
         self._streams: dict[int, TokenStream] = {}  # by seed: its draws made ahead
         self._vocab_draws = np.uint32(vocab_size - 1)
@@ -83,7 +98,9 @@ class SimulatedRunner:
         """The shape of the last step executed (of a decode run: its last step)."""
         if self._last_run is not None:
             positions, step = self._last_run
-            self._last_shape = decode_run_shape(positions, step, self.cost.windows)
+            self._last_shape = decode_run_shape(
+                positions, step, self.cost.windows, self._run_shared
+            )
             self._last_run = None
         return self._last_shape
 
@@ -119,16 +136,10 @@ class SimulatedRunner:
                     if count == 1
                     else [1 + (base + j * _DRAW_MUL) % vocab for j in range(count)]
                 )
-        windows = self.cost.windows
-        if windows:
-            w_read = tuple(sum(min(w.start_pos, size) for w in works) for size in windows)
-            w_pairs = tuple(
-                sum(window_pairs(len(w.token_ids), w.start_pos, size) for w in works)
-                for size in windows
-            )
-            shape = BatchShape(len(works), prefill, decode, kv_read, pairs, w_read, w_pairs)
-        else:
+        if self._plain_shape:
             shape = BatchShape(len(works), prefill, decode, kv_read, pairs)
+        else:
+            shape = self._full_shape(works, BatchShape(len(works), prefill, decode, kv_read, pairs))
         dt = self.cost.step_time_s(shape)
         self.clock.advance(dt)
         self.busy_s += dt
@@ -138,17 +149,50 @@ class SimulatedRunner:
         self._last_run = None
         return StepOutput(out)
 
+    def _full_shape(self, works: Sequence[SeqWork], shape: BatchShape) -> BatchShape:
+        """``shape`` with the figures only some cost models read: window and shared KV."""
+        windows = self.cost.windows
+        if windows:
+            shape = shape._replace(
+                window_kv_read=tuple(
+                    sum(min(w.start_pos, size) for w in works) for size in windows
+                ),
+                window_pairs=tuple(
+                    sum(window_pairs(len(w.token_ids), w.start_pos, size) for w in works)
+                    for size in windows
+                ),
+            )
+        if self._distinct_kv:
+            shared = shared_kv_tokens(
+                [w.start_pos for w in works], [w.block_table for w in works], self.block_size
+            )
+            shape = shape._replace(shared_kv_tokens=shared)
+        return shape
+
     def poison_blocks(self, blocks: Sequence[int]) -> None:
         """Nothing to poison: simulated blocks hold no KV."""
 
     # -- uniform decode runs (kvpilot.engine.decode_run) ---------------------------------
 
     def decode_run_clock(
-        self, positions: Sequence[int], start: float, until: float, max_steps: int
+        self,
+        positions: Sequence[int],
+        start: float,
+        until: float,
+        max_steps: int,
+        running: Sequence[Seq],
     ) -> tuple[list[float], list[float]]:
         """Durations and start times of successive decode-only steps of sequences at
-        ``positions`` from clock time ``start`` (`StepCostModel.decode_run_clock`)."""
-        return self.cost.decode_run_clock(positions, start, until, max_steps)
+        ``positions`` from clock time ``start`` (`StepCostModel.decode_run_clock`); the
+        ``running`` sequences' block tables give the KV the run reads more than once, for a
+        cost model that reads it."""
+        if not self._distinct_kv:  # hot path: the roofline
+            return self.cost.decode_run_clock(positions, start, until, max_steps)
+        shared = shared_kv_tokens(
+            positions, [seq.traj.block_table for seq in running], self.block_size
+        )
+        self._run_shared = shared
+        return self.cost.decode_run_clock(positions, start, until, max_steps, shared)
 
     def decode_run_tokens(self, seed: int, first_step: int, steps: int) -> list[int]:
         """What `execute` samples for a sequence of ``seed`` at generation steps
