@@ -109,7 +109,8 @@ def calibrate(
         f"{coeffs['prefill_tokens'] * 1e6:.1f} us/prefill token + "
         f"{coeffs['decode_seqs'] * 1e6:.1f} us/decode + "
         f"{coeffs['kv_read_tokens'] * 1e9:.1f} ns/KV token read + "
-        f"{coeffs['attention_pairs'] * 1e9:.2f} ns/attention pair "
+        f"{coeffs['attention_pairs'] * 1e9:.2f} ns/attention pair + "
+        f"{coeffs['distinct_kv_tokens'] * 1e9:.1f} ns/distinct KV token read "
         f"({profile.samples} steps up to {profile.max_context_tokens:,} tokens of context, "
         f"R^2 {profile.r2:.3f}, median error {profile.median_rel_error:.1%})"
     )
