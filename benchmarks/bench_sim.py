@@ -296,6 +296,7 @@ def profile_breakdown(minutes: float) -> dict[str, float]:
 def calibration(quick: bool) -> dict[str, float]:
     from kvpilot.sim.calibrate import tokenizer_of
     from kvpilot.sim.paired import calibrate_with_replays
+    from kvpilot.sim.profile import PROFILE_FEATURES
     from kvpilot.sim.replay import ReplayOptions, load_replay
 
     if not TRACES.is_dir():
@@ -331,10 +332,19 @@ def calibration(quick: bool) -> dict[str, float]:
         f"{paired.calibration_s:.0f} CPU s of calibration steps, {paired.replay_s:.0f} of real "
         f"replays, {cpu_s:.0f} in all"
     )
+    c = dict(zip(PROFILE_FEATURES, profile.coefficients_s, strict=True))
+    print(
+        f"   step = {c['const'] * 1e3:.2f} ms + {c['prefill_tokens'] * 1e6:.1f} us/prefill token "
+        f"+ {c['decode_seqs'] * 1e6:.1f} us/decode + {c['kv_read_tokens'] * 1e9:.0f} ns/KV "
+        f"token read + {c['attention_pairs'] * 1e9:.2f} ns/attention pair + "
+        f"{c['distinct_kv_tokens'] * 1e9:.0f} ns/distinct KV token read"
+    )
     figures: dict[str, float] = {
         "calib_r2": profile.r2,
         "calib_median_step_error": profile.median_rel_error,
         "calib_max_context_tokens": float(profile.max_context_tokens),
+        "calib_s_per_kv_token": c["kv_read_tokens"],
+        "calib_s_per_distinct_kv_token": c["distinct_kv_tokens"],
     }
     for name, check in paired.checks.items():
         c = check.total.to_json()
