@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+from types import SimpleNamespace
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -170,3 +173,27 @@ def test_a_runner_whose_cost_model_reads_distinct_kv_counts_it_as_batch_shape_do
         assert counting.last_shape == batch_shape(works, block_size=4)
         assert plain.last_shape == batch_shape(works)
         assert counting.clock.now() >= plain.clock.now()
+
+
+@settings(deadline=None, max_examples=60)
+@given(
+    heads=st.lists(st.integers(0, 4), min_size=1, max_size=6),
+    tail=st.integers(0, 3),
+    steps=st.integers(2, 9),
+)
+def test_the_last_shape_of_a_decode_run_carries_the_kv_its_steps_share(
+    heads: list[int], tail: int, steps: int
+) -> None:
+    """Sequences sharing a head of whole blocks (ids 0..) then on their own blocks: the
+    run's last step has the shape `batch_shape` gives that step's works."""
+    sim = calibrated_runner(6e-8)
+    positions = [4 * h + tail for h in heads]
+    tables = [list(range(h)) + [100 * (i + 1) + j for j in range(9)] for i, h in enumerate(heads)]
+    running = [SimpleNamespace(traj=SimpleNamespace(block_table=t)) for t in tables]
+    durations, _ = sim.decode_run_clock(positions, 0.0, math.inf, steps, running)  # type: ignore[arg-type]
+    sim.record_decode_run(list(range(len(heads))), positions, durations)
+    last = [
+        SeqWork(i, [1], p + steps - 1, t)
+        for i, (p, t) in enumerate(zip(positions, tables, strict=True))
+    ]
+    assert sim.last_shape == batch_shape(last, block_size=4)

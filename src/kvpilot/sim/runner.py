@@ -87,7 +87,9 @@ class SimulatedRunner:
         # figures, or the KV read more than once (counted only for a cost model reading it).
         self._distinct_kv = cost.reads_distinct_kv
         self._plain_shape = not cost.windows and not self._distinct_kv
-        self._run_shared = 0  # the shared KV of the last decode run's clock
+        # The last decode run clocked for a cost model reading distinct KV: (its positions,
+        # the KV its steps read more than once).
+        self._run_shared: tuple[Sequence[int], int] = ((), 0)
         self._high_water: dict[int, int] = {}
         self._streams: dict[int, TokenStream] = {}  # by seed: its draws made ahead
         self._vocab_draws = np.uint32(vocab_size - 1)
@@ -98,8 +100,9 @@ class SimulatedRunner:
         """The shape of the last step executed (of a decode run: its last step)."""
         if self._last_run is not None:
             positions, step = self._last_run
+            clocked, shared = self._run_shared
             self._last_shape = decode_run_shape(
-                positions, step, self.cost.windows, self._run_shared
+                positions, step, self.cost.windows, shared if clocked is positions else 0
             )
             self._last_run = None
         return self._last_shape
@@ -188,10 +191,12 @@ class SimulatedRunner:
         cost model that reads it."""
         if not self._distinct_kv:  # hot path: the roofline
             return self.cost.decode_run_clock(positions, start, until, max_steps)
+        # The same at every step of the run: the tokens it decodes go to each sequence's own
+        # blocks (`decode_run_shape`).
         shared = shared_kv_tokens(
             positions, [seq.traj.block_table for seq in running], self.block_size
         )
-        self._run_shared = shared
+        self._run_shared = (positions, shared)
         return self.cost.decode_run_clock(positions, start, until, max_steps, shared)
 
     def decode_run_tokens(self, seed: int, first_step: int, steps: int) -> list[int]:
