@@ -182,7 +182,9 @@ def decode_run_shape(
     ``start_pos`` at step 0) that read ``shared`` KV tokens more than once at step 0: what
     `batch_shape` gives for that step's works. The shared KV stays the same over the run:
     the tokens a run decodes go to each sequence's own blocks (the engine never writes into
-    a block another sequence reads)."""
+    a block another sequence reads). A commit could still swap a block just filled for an
+    identical cached one, but only if another sequence had decoded the same tokens after
+    the same prefix: sampled tokens follow each request's own seed, so it does not arise."""
     n = len(positions)
     kv_read = sum(positions) + n * step
     return BatchShape(
