@@ -38,7 +38,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from kvpilot.errors import ConfigError
 from kvpilot.units import format_bytes, format_seconds
@@ -228,7 +228,10 @@ class PauseDecision:
     they carry the rule's inputs (``basis``) and an empty ``reason``, and the engine decides
     far more pauses than anyone reads. A decision copied with another ``reason``
     (`dataclasses.replace`) says that one; equality, hashing, pickling and ``repr`` read the
-    sentence like any field.
+    sentence like any field. A decision step 1 of the rule takes (plentiful device memory:
+    almost every pause in the engine) needs no figure to decide: it is built with only its
+    action and basis (`_deferred`), and its figures are worked out together when the first
+    of them is read, by the same function (`_figure_values`) as a decision built whole.
     """
 
     action: PauseAction
@@ -252,14 +255,46 @@ class PauseDecision:
 
     if not TYPE_CHECKING:  # the type checker sees ``reason: str``, and no other attribute
 
-        def __getattr__(self, name: str) -> str:
-            # Only reached for a reason not worded yet (an empty slot).
-            basis = self.basis if name == "reason" else None
+        def __getattr__(self, name: str) -> Any:
+            # Only reached for an empty slot: a reason not worded yet, or the figures of a
+            # decision built `_deferred`.
+            basis = self.basis if name in _LAZY_FIELDS else None
             if basis is None:
                 raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-            text = _rule(*basis, _figures(*basis), True)[1]
-            object.__setattr__(self, "reason", text)
-            return text
+            if name == "reason":
+                text = _rule(*basis, _figures(*basis), True)[1]
+                object.__setattr__(self, "reason", text)
+                return text
+            for figure, value in zip(_FIGURE_FIELDS, _figure_values(*basis), strict=True):
+                object.__setattr__(self, figure, value)
+            return object.__getattribute__(self, name)
+
+    @classmethod
+    def _deferred(
+        cls, action: PauseAction, basis: tuple[PauseInputs, PauseThresholds]
+    ) -> PauseDecision:
+        """A decision of the rule with only its action and basis set: its reason and figures
+        are worked out from the basis when first read (`__getattr__`)."""
+        decision = object.__new__(cls)
+        decision.action = action
+        decision.basis = basis
+        return decision
+
+
+# The fields a rule's decision may leave empty until read (see `PauseDecision`), the figures
+# in the order `_figure_values` gives them.
+_FIGURE_FIELDS = (
+    "via",
+    "reload_s",
+    "round_trip_s",
+    "recompute_s",
+    "reload_vs_recompute",
+    "held_gb_s",
+    "break_even_wait_s",
+    "disk_reload_s",
+    "disk_round_trip_s",
+)
+_LAZY_FIELDS = frozenset(("reason", *_FIGURE_FIELDS))
 
 
 def _transfer_s(nbytes: float, bw: float) -> float:
@@ -329,26 +364,42 @@ def _figures(inputs: PauseInputs, thresholds: PauseThresholds) -> _Figures:
     )
 
 
+def _figure_values(
+    inputs: PauseInputs, thresholds: PauseThresholds, f: _Figures | None = None
+) -> tuple[PauseAction, float, float, float, float, float, float, float, float]:
+    """A decision's figures, in the order of `_FIGURE_FIELDS` (``f``: `_figures`, when known)."""
+    if f is None:
+        f = _figures(inputs, thresholds)
+    reload_s, recompute_s = f.reload_s, f.recompute_s
+    return (
+        f.via,
+        reload_s,
+        2 * reload_s,
+        recompute_s,
+        recompute_s / reload_s if reload_s > 0 else math.inf,
+        inputs.kv_bytes / 1e9 * inputs.expected_wait_s,
+        f.t_star,
+        f.disk_reload_s,
+        2 * f.disk_reload_s,
+    )
+
+
 def decide_pause(
     inputs: PauseInputs, thresholds: PauseThresholds = DEFAULT_THRESHOLDS
 ) -> PauseDecision:
     """Apply the break-even rule of the module docstring to one paused trajectory."""
+    basis = (inputs, thresholds)
+    if _plentiful(inputs, thresholds):  # step 1 decides on the pressure alone
+        return PauseDecision._deferred(_RETAIN, basis)
     f = _figures(inputs, thresholds)
-    reload_s, recompute_s = f.reload_s, f.recompute_s
-    return PauseDecision(
-        action=_rule(inputs, thresholds, f, False)[0],
-        reason="",  # worded when read, from the basis
-        via=f.via,
-        reload_s=reload_s,
-        round_trip_s=2 * reload_s,
-        recompute_s=recompute_s,
-        reload_vs_recompute=recompute_s / reload_s if reload_s > 0 else math.inf,
-        held_gb_s=inputs.kv_bytes / 1e9 * inputs.expected_wait_s,
-        break_even_wait_s=f.t_star,
-        disk_reload_s=f.disk_reload_s,
-        disk_round_trip_s=2 * f.disk_reload_s,
-        basis=(inputs, thresholds),
-    )
+    action = _rule(inputs, thresholds, f, False)[0]
+    # The reason is worded when read, from the basis.
+    return PauseDecision(action, "", *_figure_values(inputs, thresholds, f), basis=basis)
+
+
+def _plentiful(inputs: PauseInputs, thresholds: PauseThresholds) -> bool:
+    """Step 1 of the rule: device memory is plentiful, so the state is retained."""
+    return inputs.device_pressure < thresholds.device_plentiful_below
 
 
 def _rule(
@@ -359,7 +410,7 @@ def _rule(
     via, way_out_rt, t_star, mu_tier = f.via, f.way_out_rt, f.t_star, f.mu_tier
     recompute_s, disk_reload_s = f.recompute_s, f.disk_reload_s
     size, s = (format_bytes(m) if words else ""), format_seconds
-    if inputs.device_pressure < thresholds.device_plentiful_below:
+    if _plentiful(inputs, thresholds):
         return _RETAIN, (
             f"Retain: device memory is plentiful (pressure {inputs.device_pressure:.2f}, under "
             f"{thresholds.device_plentiful_below:.2f}), so holding {size} for {s(wait)} costs "
