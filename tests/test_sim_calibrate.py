@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from kvpilot.sim.batch_shape import BatchShape
 from kvpilot.sim.calibrate import (
     StepSample,
     calibrate,
@@ -13,7 +14,6 @@ from kvpilot.sim.calibrate import (
     fit_profile,
     tokenizer_of,
 )
-from kvpilot.sim.cost_model import BatchShape
 from kvpilot.sim.replay import ReplayOptions, load_replay
 
 MINISWE = Path(__file__).resolve().parents[2] / "shared/traces/lmcache-agent-trace/miniswe"

@@ -14,15 +14,15 @@ from hypothesis import strategies as st
 from kvpilot.engine.clock import VirtualClock
 from kvpilot.engine.executor import SeqWork
 from kvpilot.errors import ConfigError
-from kvpilot.sim.cost_model import (
+from kvpilot.sim.batch_shape import (
     BatchShape,
-    RooflineCostModel,
     batch_shape,
     decode_run_shape,
     shape_of,
     shared_kv_tokens,
     window_pairs,
 )
+from kvpilot.sim.cost_model import RooflineCostModel
 from kvpilot.sim.profile import PROFILE_FEATURES, CalibratedCostModel, StepProfile
 from kvpilot.sizing.geometry import ModelGeometry, resolve_geometry
 from kvpilot.sizing.hardware import Accelerator, Node, parse_node

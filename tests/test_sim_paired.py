@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import pytest
 
 from kvpilot.errors import ConfigError
-from kvpilot.sim.cost_model import BatchShape
+from kvpilot.sim.batch_shape import BatchShape
 from kvpilot.sim.fit import fit_profile
 from kvpilot.sim.measured import StepSample
 from kvpilot.sim.paired import Pacer, PairedCheck

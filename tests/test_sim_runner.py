@@ -13,7 +13,8 @@ from kvpilot.engine.clock import VirtualClock
 from kvpilot.engine.executor import SeqWork
 from kvpilot.engine.sampling import SamplingParams
 from kvpilot.sim import runner as runner_module
-from kvpilot.sim.cost_model import RooflineCostModel, batch_shape
+from kvpilot.sim.batch_shape import batch_shape
+from kvpilot.sim.cost_model import RooflineCostModel
 from kvpilot.sim.profile import CalibratedCostModel, StepProfile
 from kvpilot.sim.runner import SimulatedRunner
 from kvpilot.sizing.geometry import resolve_geometry

@@ -7,8 +7,9 @@ executor is a `SimulatedRunner` (a roofline or calibrated cost model advancing a
 
 from __future__ import annotations
 
+from kvpilot.sim.batch_shape import BatchShape, batch_shape
 from kvpilot.sim.build import SimSetup, build_engine, kv_pool_blocks, run_simulation
-from kvpilot.sim.cost_model import BatchShape, RooflineCostModel, StepCostModel, batch_shape
+from kvpilot.sim.cost_model import RooflineCostModel, StepCostModel
 from kvpilot.sim.drivers import AgentDriver, ReplayDriver
 from kvpilot.sim.policies import POLICIES, SimPolicy, apply_policy, resolve_policy
 from kvpilot.sim.profile import CalibratedCostModel, StepProfile

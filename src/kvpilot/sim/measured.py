@@ -15,7 +15,7 @@ from kvpilot.engine.engine import Engine
 from kvpilot.engine.executor import Executor, SeqWork, StepOutput
 from kvpilot.engine.request import RequestOutput
 from kvpilot.engine.sampling import SamplingParams
-from kvpilot.sim.cost_model import BatchShape, batch_shape
+from kvpilot.sim.batch_shape import BatchShape, batch_shape
 
 CALIBRATION_CONFIG = EngineConfig.from_kwargs(max_num_batched_tokens=1024, max_prefill_chunk=512)
 

@@ -27,7 +27,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from kvpilot.errors import ConfigError
-from kvpilot.sim.cost_model import BatchShape, run_clock
+from kvpilot.sim.batch_shape import BatchShape
+from kvpilot.sim.cost_model import run_clock
 
 PROFILE_KIND = "kvpilot-step-profile"
 PROFILE_VERSION = 2

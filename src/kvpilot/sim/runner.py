@@ -20,13 +20,8 @@ from kvpilot.engine.decode_run import TokenStream
 from kvpilot.engine.executor import SeqWork, StepOutput
 from kvpilot.errors import ConfigError
 from kvpilot.memory.hashing import ModelFingerprint
-from kvpilot.sim.cost_model import (
-    BatchShape,
-    StepCostModel,
-    decode_run_shape,
-    shared_kv_tokens,
-    window_pairs,
-)
+from kvpilot.sim.batch_shape import BatchShape, decode_run_shape, shared_kv_tokens, window_pairs
+from kvpilot.sim.cost_model import StepCostModel
 
 if TYPE_CHECKING:
     from kvpilot.engine.request import Sequence as Seq
