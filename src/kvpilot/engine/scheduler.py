@@ -144,9 +144,8 @@ class Scheduler:
             waiting.append(seq)
             return
         traj = seq.traj
-        tokens = traj.token_array()
-        query = tokens[: max(len(tokens) - 1, 0)]
-        peek = self.kv.radix.peek(query, traj.salt, below=traj.locked_node)
+        tokens = traj.token_array()  # peek at all but the last token: length=, not a sliced copy
+        peek = self.kv.radix.peek(tokens, traj.salt, below=traj.locked_node, length=len(tokens) - 1)
         resident = max(len(traj.block_table), peek.blocks_by_tier.get(DEVICE, 0))
         self.resident_at_add[seq.seq_id] = resident
         at = len(waiting)
