@@ -9,23 +9,11 @@ from __future__ import annotations
 
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
+from trajectory_script import Op, compute, ops, play
 
-from kvpilot.errors import OutOfBlocks
-from kvpilot.memory import KVConfig, KVManager, Trajectory
+from kvpilot.memory import KVManager, Trajectory
 
-B = 4
-
-op = st.one_of(
-    st.tuples(st.just("open"), st.integers(0, 3), st.integers(0, 12)),
-    st.tuples(st.just("turn"), st.integers(0, 9), st.integers(0, 12)),
-    st.tuples(st.just("decode"), st.integers(0, 9), st.integers(1, 3 * B)),
-    st.tuples(st.just("fork"), st.integers(0, 9), st.just(0)),
-    st.tuples(st.just("release"), st.integers(0, 9), st.integers(0, 1)),
-    st.tuples(st.just("truncate"), st.integers(0, 9), st.integers(0, 40)),
-    st.tuples(st.just("rewind"), st.integers(0, 9), st.integers(0, 40)),
-    st.tuples(st.just("forget"), st.integers(0, 9), st.just(0)),
-    st.tuples(st.just("close"), st.integers(0, 9), st.just(0)),
-)
+op = ops("open", "turn", "decode", "fork", "release", "truncate", "rewind", "forget", "close")
 
 
 class Observer:
@@ -35,14 +23,23 @@ class Observer:
         self.high: dict[int, int] = {}
 
     def step(self, traj: Trajectory, n: int) -> None:
-        traj.allocate(n)
-        traj.mark_computed(n)
+        if not n:  # nothing left to compute (a prefix hit covered it): no step runs
+            return
+        compute(traj, n)
         if self.high.get(traj.traj_id, 0) < traj.num_computed_tokens:
             self.high[traj.traj_id] = traj.num_computed_tokens
 
     def rewound(self, traj: Trajectory, num_tokens: int) -> None:
         if self.high.get(traj.traj_id, 0) > num_tokens:
             self.high[traj.traj_id] = num_tokens
+
+    def forgot(self, traj: Trajectory) -> None:
+        self.high.pop(traj.traj_id, None)
+
+    def check(self, kv: KVManager, open_: list[Trajectory]) -> None:
+        for t in open_:
+            assert t.high_water() == self.high.get(t.traj_id, 0), t
+        assert kv.resident_trajectories == resident(kv)
 
 
 def resident(kv: KVManager) -> int:
@@ -68,50 +65,14 @@ def resident(kv: KVManager) -> int:
 )
 @given(ops=st.lists(op, max_size=50), seed=st.integers(0, 3))
 def test_kept_marks_and_resident_count_match_observing_and_walking(
-    ops: list[tuple[str, int, int]], seed: int
+    ops: list[Op], seed: int
 ) -> None:
-    kv = KVManager(KVConfig(block_size=B, num_device_blocks=24))
     observer = Observer()
-    heads = [[seed, 1, 2, 3, 4, 5, 6, 7], [9, 9, 9, 9, 1, 1]]
-    open_: list[Trajectory] = []
-    fresh = iter(range(100, 10_000))
-    for kind, i, n in ops:
-        traj = open_[i % len(open_)] if open_ else None
-        try:
-            if kind == "open" or traj is None:
-                tokens = [*heads[i % 2], *[next(fresh) for _ in range(n)]]
-                open_.append(kv.open_trajectory(None, tokens))
-            elif kind == "turn" and len(traj.tokens) + n < 80:
-                traj.append_tokens([next(fresh) for _ in range(n)])
-                traj.reuse_prefix()
-                if len(traj.tokens) > traj.num_computed_tokens:
-                    observer.step(traj, len(traj.tokens) - traj.num_computed_tokens)
-                traj.commit()
-            elif kind == "decode" and traj.num_computed_tokens == len(traj.tokens) < 80:
-                for _ in range(n):
-                    traj.append_tokens([next(fresh)])
-                    observer.step(traj, 1)
-                    if traj.num_computed_tokens % B == 0:
-                        traj.commit()
-            elif kind == "fork":
-                open_.append(traj.fork().child)
-            elif kind == "release":
-                traj.release_kv(keep_in_cache=bool(n))
-            elif kind in ("truncate", "rewind"):
-                cut = min(n, len(traj.tokens))
-                traj.truncate(cut)
-                if kind == "rewind":  # what a session's rewind tells the offload manager
-                    traj.cap_high_water(cut)
-                    observer.rewound(traj, cut)
-            elif kind == "forget":
-                traj.forget_high_water()
-                observer.high.pop(traj.traj_id, None)
-            elif kind == "close":
-                traj.close()
-                open_.remove(traj)
-        except OutOfBlocks:
-            pass
-        for t in open_:
-            assert t.high_water() == observer.high.get(t.traj_id, 0), t
-        assert kv.resident_trajectories == resident(kv)
-        kv.check_invariants()
+    play(
+        ops,
+        seed,
+        observer.check,
+        step=observer.step,
+        rewound=observer.rewound,
+        forgot=observer.forgot,
+    )
