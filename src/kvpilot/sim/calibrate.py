@@ -64,7 +64,6 @@ __all__ = [
     "check_replay",
     "fit_profile",
     "measure_copy",
-    "measure_steps",
     "real_engine",
     "tokenizer_of",
     "torch_threads",
@@ -208,23 +207,6 @@ def calibration_steps(
             on_progress(i + 1, len(plan))
 
 
-def measure_steps(
-    engine: Engine,
-    timed: TimedExecutor,
-    *,
-    seed: int = 0,
-    quick: bool = False,
-    rounds: int | None = None,
-    on_progress: Callable[[int, int], None] | None = None,
-) -> list[StepSample]:
-    """Every step of `calibration_steps`, run in one go."""
-    return list(
-        calibration_steps(
-            engine, timed, seed=seed, quick=quick, rounds=rounds, on_progress=on_progress
-        )
-    )
-
-
 def calibrate(
     model: str | Path = "tiny",
     *,
@@ -238,7 +220,9 @@ def calibrate(
     """Measure ``model`` on the real engine and fit its step profile."""
     with torch_threads(threads):
         engine, timed = real_engine(model, kv_blocks=kv_blocks, config=config)
-        samples = measure_steps(engine, timed, seed=seed, quick=quick, on_progress=on_progress)
+        samples = list(
+            calibration_steps(engine, timed, seed=seed, quick=quick, on_progress=on_progress)
+        )
         copy_s = measure_copy(timed)
     return fit_profile(
         samples,
