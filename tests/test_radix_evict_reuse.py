@@ -65,11 +65,16 @@ def state(cache: RadixCache) -> tuple[object, ...]:
     )
 
 
+# Prefixes of `STREAMS` to cache (stream, length in blocks); nodes to lock or hold, by index.
+PREFIXES = st.lists(st.tuples(st.integers(0, 3), st.integers(1, 4)), min_size=1, max_size=6)
+NODES = st.lists(st.integers(0, 30), max_size=3)
+
+
 @settings(max_examples=300, deadline=None)
 @given(
-    prefixes=st.lists(st.tuples(st.integers(0, 3), st.integers(1, 4)), min_size=1, max_size=6),
-    locks=st.lists(st.integers(0, 30), max_size=3),
-    held=st.lists(st.integers(0, 30), max_size=3),
+    prefixes=PREFIXES,
+    locks=NODES,
+    held=NODES,
     rounds=st.integers(1, 6),
 )
 def test_evict_one_for_reuse_equals_evict_then_allocate(
@@ -92,9 +97,9 @@ def test_evict_one_for_reuse_equals_evict_then_allocate(
 
 @settings(max_examples=300, deadline=None)
 @given(
-    prefixes=st.lists(st.tuples(st.integers(0, 3), st.integers(1, 4)), min_size=1, max_size=6),
-    locks=st.lists(st.integers(0, 30), max_size=3),
-    held=st.lists(st.integers(0, 30), max_size=3),
+    prefixes=PREFIXES,
+    locks=NODES,
+    held=NODES,
     free=st.integers(0, 3),
     sizes=st.lists(st.integers(1, 6), min_size=1, max_size=5),
 )
