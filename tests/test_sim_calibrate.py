@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -121,16 +122,10 @@ def test_step_clock_runs_only_inside_engine_steps() -> None:
     assert clock.now() == pytest.approx(after + 2.0)
 
 
-def test_calibrate_check_replays_up_to_the_models_limit(tmp_path, monkeypatch) -> None:
-    import json
-
-    from typer.testing import CliRunner
-
-    import kvpilot.sim.calibrate as cal
-    from kvpilot.cli import app
+def _profile(max_model_len: int = 8192) -> Any:
     from kvpilot.sim.profile import StepProfile
 
-    profile = StepProfile(
+    return StepProfile(
         "tiny",
         "cpu",
         "float32",
@@ -140,17 +135,35 @@ def test_calibrate_check_replays_up_to_the_models_limit(tmp_path, monkeypatch) -
         50,
         0.9,
         0.1,
-        max_model_len=8192,
+        max_model_len=max_model_len,
     )
+
+
+def test_calibrate_check_replays_up_to_the_models_limit(tmp_path, monkeypatch) -> None:
+    """With a check, the CLI calibrates interleaved with the real replays (`paired`), on calls
+    up to the model's limit less the output, and reports all passes together and each."""
+    import json
+
+    from typer.testing import CliRunner
+
+    import kvpilot.sim.calibrate as cal
+    import kvpilot.sim.paired as paired
+    from kvpilot.cli import app
+
     seen: list[list[int]] = []
-    monkeypatch.setattr(cal, "calibrate", lambda *a, **k: profile)
+    asked: list[dict[str, object]] = []
     monkeypatch.setattr(cal, "tokenizer_of", lambda model: None)
 
-    def fake_check(profile: object, sessions: list, **kw: object) -> object:
+    def fake_paired(replays: dict, model: object, **kw: object) -> object:
+        (sessions,) = replays.values()
         seen.append([len(c.prompt) for s in sessions for c in s.calls])
-        return cal.ReplayCheck(1, 1, 1, 1.0, 1.0, 1, 1, 0.5, 0.5)
+        asked.append(kw)
+        checks = (cal.ReplayCheck(1, 1, 1, 1.0, 1.1, 1, 1, 0.5, 0.5),) * 3
+        check = paired.PairedCheck(checks, (1.0, 1.1, 1.0))
+        return paired.PairedCalibration(_profile(), {"check": check}, 1, 2.0, 2.0)
 
-    monkeypatch.setattr(cal, "check_replay", fake_check)
+    monkeypatch.setattr(paired, "calibrate_with_replays", fake_paired)
+    monkeypatch.setattr(cal, "calibrate", lambda *a, **k: pytest.fail("not interleaved"))
     rows = [
         {
             "timestamp": float(i),
@@ -159,19 +172,48 @@ def test_calibrate_check_replays_up_to_the_models_limit(tmp_path, monkeypatch) -
             "hash_ids": list(range(n // 16)),
             "session_id": "s",
         }
-        for i, n in enumerate((5000, 6000, 7000, 8150, 9000))
+        for i, n in enumerate((5000, 6000, 7000, 8150, 8170, 9000))
     ]
     trace = tmp_path / "t.jsonl"
     trace.write_text("\n".join(json.dumps(r) for r in rows))
     args = ["calibrate", "--out", str(tmp_path / "p.json"), "--trace", str(trace)]
-    result = CliRunner().invoke(app, [*args, "--json"])
+    result = CliRunner().invoke(app, [*args, "--json", "--passes", "3"])
     assert result.exit_code == 0, result.output
-    assert seen == [[5000, 6000, 7000, 8150]]  # up to 8,192 - 32 output tokens
+    assert seen == [[5000, 6000, 7000, 8150]]  # up to tiny's 8,192 - 32 output tokens
+    assert asked[0]["passes"] == 3
+    check = json.loads(result.output)["check"]
+    assert check["passes"] == 3 and len(check["pass_errors"]) == 3
+    assert check["pass_errors"][0] == pytest.approx(1 / 1.1 - 1)
+    assert (tmp_path / "p.json").is_file()
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert "3 real passes interleaved" in " ".join(result.output.split())
+    result = CliRunner().invoke(app, [*args, "--kv-blocks", "500"])  # 8,000 tokens of pool
+    assert result.exit_code == 0, result.output
+    assert seen[-1] == [5000, 6000, 7000]
     result = CliRunner().invoke(app, [*args, "--max-call-tokens", "4000"])
     assert result.exit_code == 2
     assert "the shortest first call has 5,000 tokens: raise --max-call-tokens" in " ".join(
         result.output.split()
     )
+
+
+def test_calibrate_without_a_check_fits_alone(tmp_path, monkeypatch) -> None:
+    import json
+
+    from typer.testing import CliRunner
+
+    import kvpilot.sim.calibrate as cal
+    import kvpilot.sim.paired as paired
+    from kvpilot.cli import app
+
+    monkeypatch.setattr(cal, "calibrate", lambda *a, **k: _profile())
+    monkeypatch.setattr(paired, "calibrate_with_replays", lambda *a, **k: pytest.fail("paired"))
+    out = tmp_path / "p.json"
+    result = CliRunner().invoke(app, ["calibrate", "--out", str(out), "--no-check", "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert "check" not in data and data["profile"] == str(out) and out.is_file()
 
 
 @pytest.mark.parametrize("capacity", [32768, 16384])

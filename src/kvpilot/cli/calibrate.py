@@ -1,11 +1,15 @@
 """`kvpilot calibrate`: measure the real engine's per-step cost on this machine and fit a
-simulator profile, then check it against a replay on both."""
+simulator profile, then check it against a replay on both.
+
+With a check, the calibration steps run interleaved with the real replays
+(`kvpilot.sim.paired`): on a shared machine whose speed drifts, a fit and a replay measured one
+after the other see different machines, and the error would mostly say how far it drifted."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -19,6 +23,12 @@ from kvpilot.cli.sim_support import (
     resolve_trace_paths,
 )
 from kvpilot.errors import KvpilotError
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from kvpilot.sim.profile import StepProfile
+    from kvpilot.sim.replay import ReplayOptions
 
 
 def _fail(exc: KvpilotError) -> typer.Exit:
@@ -38,6 +48,13 @@ def calibrate(
         bool, typer.Option(help="Replay a trace on both and compare (default: miniswe).")
     ] = True,
     trace: Annotated[list[str] | None, typer.Option(help="Trace for --check.")] = None,
+    passes: Annotated[
+        int,
+        typer.Option(
+            help="Real replays for --check, interleaved with the calibration steps (more "
+            "if one whole calibration plan has not run by then)."
+        ),
+    ] = 2,
     sessions: Annotated[int | None, typer.Option(help=HELP_SESSIONS)] = 2,
     calls: Annotated[int | None, typer.Option(help=HELP_CALLS)] = None,
     max_call_tokens: Annotated[
@@ -53,7 +70,7 @@ def calibrate(
     from rich.progress import Progress
 
     from kvpilot.sim import calibrate as cal
-    from kvpilot.sim.replay import ReplayOptions, load_replay
+    from kvpilot.sim.replay import ReplayOptions
 
     console = Console(stderr=as_json)
     try:
@@ -68,36 +85,22 @@ def calibrate(
             max_output_tokens=max_output_tokens,
             min_calls=3,
         )
-        with Progress(console=console, transient=True, disable=as_json) as bar:
-            task = bar.add_task("calibrating", total=None)
-            profile = cal.calibrate(
-                model,
-                kv_blocks=kv_blocks,
-                quick=quick,
-                threads=threads,
-                on_progress=lambda i, n: bar.update(task, completed=i, total=n),
-            )
-        profile.save(out)
-        result: dict[str, Any] = {"profile": str(out), **profile.to_json()}
         if check and paths:
-            cap = max_call_tokens
-            if cap is None and profile.max_model_len:
-                cap = profile.max_model_len - (max_output_tokens or 1)
-            replay = load_replay(
-                paths,
-                ReplayOptions(
-                    vocab_size=32000,
-                    tokenize=cal.tokenizer_of(model),
-                    max_output_tokens=limits.max_output_tokens,
-                    head_tokens=limits.head_tokens,
-                    max_call_tokens=cap,
-                    max_sessions=limits.max_sessions,
-                    max_calls=limits.max_calls,
-                    min_calls=limits.min_calls,
-                ),
+            profile, result = _calibrate_checked(
+                model, paths, limits, kv_blocks, quick, threads, passes, out, console, as_json
             )
-            outcome = cal.check_replay(profile, replay, model=model, kv_blocks=kv_blocks)
-            result["check"] = outcome.to_json()
+        else:
+            with Progress(console=console, transient=True, disable=as_json) as bar:
+                task = bar.add_task("calibrating", total=None)
+                profile = cal.calibrate(
+                    model,
+                    kv_blocks=kv_blocks,
+                    quick=quick,
+                    threads=threads,
+                    on_progress=lambda i, n: bar.update(task, completed=i, total=n),
+                )
+            profile.save(out)
+            result = {"profile": str(out), **profile.to_json()}
     except KvpilotError as exc:
         raise _fail(exc) from exc
     if as_json:
@@ -116,10 +119,73 @@ def calibrate(
     )
     if "check" in result:
         c = result["check"]
+        each = ", ".join(f"{e:+.1%}" for e in c["pass_errors"])
         console.print(
             f"replay check ({c['calls']} calls, prompts {c['prompt_tokens_min']:,}-"
-            f"{c['prompt_tokens_max']:,} tokens): real {c['real_tokens_per_s']:,.0f} tok/s, "
-            f"simulated {c['sim_tokens_per_s']:,.0f} tok/s (error {c['throughput_error']:.1%}); "
-            f"hit rate real {c['real_hit_rate']:.1%}, simulated {c['sim_hit_rate']:.1%} "
-            f"(CPU time)"
+            f"{c['prompt_tokens_max']:,} tokens, {c['passes']} real passes interleaved with the "
+            f"calibration): real {c['real_tokens_per_s']:,.0f} tok/s, "
+            f"simulated {c['sim_tokens_per_s']:,.0f} tok/s (error {c['throughput_error']:.1%}; "
+            f"per pass {each}); hit rate real {c['real_hit_rate']:.1%}, "
+            f"simulated {c['sim_hit_rate']:.1%} (CPU time)"
         )
+
+
+def _calibrate_checked(
+    model: str,
+    paths: list[Path],
+    limits: ReplayOptions,
+    kv_blocks: int,
+    quick: bool,
+    threads: int,
+    passes: int,
+    out: Path,
+    console: Console,
+    as_json: bool,
+) -> tuple[StepProfile, dict[str, Any]]:
+    """Calibrate interleaved with ``passes`` real replays of the trace at ``paths``; the
+    profile (saved to ``out``) and the result, with the check of all passes together."""
+    from rich.progress import Progress
+
+    from kvpilot.sim import calibrate as cal
+    from kvpilot.sim import paired
+    from kvpilot.sim.measured import model_limit
+    from kvpilot.sim.replay import ReplayOptions, load_replay
+
+    cap = limits.max_call_tokens
+    if cap is None:
+        cap = model_limit(model, kv_blocks=kv_blocks) - (limits.max_output_tokens or 1)
+    replay = load_replay(
+        paths,
+        ReplayOptions(
+            vocab_size=32000,
+            tokenize=cal.tokenizer_of(model),
+            max_output_tokens=limits.max_output_tokens,
+            head_tokens=limits.head_tokens,
+            max_call_tokens=cap,
+            max_sessions=limits.max_sessions,
+            max_calls=limits.max_calls,
+            min_calls=limits.min_calls,
+        ),
+    )
+    with Progress(console=console, transient=True, disable=as_json) as bar:
+        task = bar.add_task("calibrating alongside real replays", total=passes)
+        measured = paired.calibrate_with_replays(
+            {"check": replay},
+            model,
+            kv_blocks=kv_blocks,
+            quick=quick,
+            passes=passes,
+            threads=threads,
+            on_pass=lambda done: bar.update(task, completed=done),
+        )
+    profile = measured.profile
+    profile.save(out)
+    check = measured.checks["check"]
+    result: dict[str, Any] = {"profile": str(out), **profile.to_json()}
+    result["check"] = {
+        **check.total.to_json(),
+        "passes": len(check.passes),
+        "pass_errors": check.pass_errors,
+        "steady_errors": check.steady_errors,
+    }
+    return profile, result

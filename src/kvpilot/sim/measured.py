@@ -125,6 +125,18 @@ def torch_threads(n: int | None) -> Iterator[None]:
         torch.set_num_threads(old)
 
 
+def model_limit(
+    model: str | Path = "tiny", *, kv_blocks: int = 2048, config: EngineConfig = CALIBRATION_CONFIG
+) -> int:
+    """The longest sequence `real_engine` on ``model`` takes (its ``max_model_len``): the
+    model's position limit or the pool's tokens, the smaller; read from the config alone."""
+    from kvpilot.model.config import ModelConfig
+    from kvpilot.model.loader import resolve_model_path
+
+    config_limit = ModelConfig.from_folder(resolve_model_path(model)).max_position_embeddings
+    return min(config_limit, kv_blocks * block_size_of(config))
+
+
 def real_engine(
     model: str | Path = "tiny",
     *,
