@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from kvpilot.engine import Engine
-from kvpilot.policy.breakeven import MAX_WAIT_S
+from kvpilot.policy.pause_inputs import MAX_WAIT_S
 from kvpilot.server import create_app
 from kvpilot.server.background import BackgroundServer
 from kvpilot.server.ops import OpsConfig

@@ -29,9 +29,10 @@ from kvpilot.errors import InvalidRequest, require
 from kvpilot.memory import KVManager, RadixNode, Tier, Trajectory
 from kvpilot.memory.residency import Residency
 from kvpilot.memory.tiers import DEVICE, DISK, HOST
-from kvpilot.policy.breakeven import PauseAction, PauseDecision, PauseInputs, clamp_wait_s
+from kvpilot.policy.breakeven import PauseAction, PauseDecision
 from kvpilot.policy.meters import PrefillRateMeter, WaitPredictor
 from kvpilot.policy.pause import PausePolicy, make_pause_policy
+from kvpilot.policy.pause_inputs import PauseInputs, clamp_wait_s
 
 if TYPE_CHECKING:
     from kvpilot.engine.request import Sequence

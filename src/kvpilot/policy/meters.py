@@ -10,7 +10,7 @@ import bisect
 import statistics
 from collections import defaultdict, deque
 
-from kvpilot.policy.breakeven import MAX_WAIT_S
+from kvpilot.policy.pause_inputs import MAX_WAIT_S
 
 
 class RateMeter:

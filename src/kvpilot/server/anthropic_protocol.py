@@ -27,7 +27,7 @@ from pydantic import (
     StrictStr,
 )
 
-from kvpilot.policy.breakeven import MAX_WAIT_S
+from kvpilot.policy.pause_inputs import MAX_WAIT_S
 from kvpilot.server.protocol import (
     SESSION_ID_PATTERN,
     ApiError,

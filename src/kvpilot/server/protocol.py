@@ -24,7 +24,7 @@ from pydantic import (
     model_validator,
 )
 
-from kvpilot.policy.breakeven import MAX_WAIT_S
+from kvpilot.policy.pause_inputs import MAX_WAIT_S
 
 # Session ids: the client's own (created on first use) or the server's; scoped per tenant.
 SESSION_ID_PATTERN = r"^[A-Za-z0-9._:-]{1,128}$"
