@@ -55,6 +55,7 @@ DEFAULT_PREFILL_TOKENS_PER_S = 2_000.0
 # Module constants: an enum member's class attribute lookup is slow, and every pause reads these
 # (the tiers' come from `kvpilot.memory.tiers`).
 RETAIN, RETAINED = PauseAction.RETAIN, PauseState.RETAINED
+HINT = "hint from the caller"  # a pause's wait_source when the caller gave the wait
 OFFLOADS = (PauseAction.OFFLOAD_HOST, PauseAction.OFFLOAD_DISK)
 IDLE_SAMPLE_S = 1.0  # how often idle memory-time is re-measured (clock seconds)
 
@@ -85,6 +86,9 @@ class OffloadManager:
         self.pressure = pressure or (lambda: self.kv.device.usage)
         self.stats = TierStats()
         self.mover = TierMover(kv, self.stats, clock, transport, disk)
+        # Fixed when the mover is built, and read by every pause.
+        self.block_bytes = self.mover.block_bytes or 1
+        self._host = self.mover.host_pool if self.mover.has_host else None
         self.prefill = PrefillRateMeter()
         self.waits = WaitPredictor(config.default_tool_wait_s)
         self.records = PauseBook()
@@ -103,10 +107,6 @@ class OffloadManager:
     @property
     def disk(self) -> DiskBlockStore | None:
         return self.mover.disk
-
-    @property
-    def block_bytes(self) -> int:
-        return self.mover.block_bytes or 1
 
     def observe_step(self, prefill_tokens: int, seconds: float, context_tokens: int) -> None:
         if prefill_tokens > 0:
@@ -129,42 +129,55 @@ class OffloadManager:
         tool: str | None = None,
     ) -> PauseDecision:
         """Price the blocks only this (open, idle) session holds and apply the policy."""
-        if expected_wait_s is not None and not (
-            math.isfinite(expected_wait_s) and expected_wait_s >= 0
-        ):
-            raise InvalidRequest("expected_wait_s must be a non-negative number of seconds")
-        self.timers.cancel(session.session_id)
-        traj = session.traj
         if expected_wait_s is None:
             wait, source = self.waits.predict(tool)
+            wait = clamp_wait_s(wait)  # timers and figures stay finite whatever was observed
+        elif math.isfinite(expected_wait_s) and expected_wait_s >= 0:
+            wait, source = clamp_wait_s(expected_wait_s), HINT
         else:
-            wait, source = float(expected_wait_s), "hint from the caller"
-        wait = clamp_wait_s(wait)  # timers and figures stay finite whatever the caller said
-        nodes = self.exclusive_device_nodes(traj)
+            raise InvalidRequest("expected_wait_s must be a non-negative number of seconds")
+        sid = session.session_id
+        self.timers.cancel(sid)
+        traj = session.traj
+        nodes, blocks, tokens = self._exclusive_device(traj)
         now = self.now()
-        inputs = self.pause_inputs(traj, nodes, wait, tool, now)
+        inputs = self._inputs(traj, blocks, tokens, wait, tool, now)
         decision = self.policy.decide(inputs)
-        if decision.action in OFFLOADS:  # only an offload can ask for a tier this engine lacks
+        action = decision.action
+        if action in OFFLOADS:  # only an offload can ask for a tier this engine lacks
             decision = pricing.feasible(decision, self.mover.link_bw(), self.mover.disk_bw())
-        lease = self.policy.lease_s(inputs) if decision.action is RETAIN else 0.0
+            action = decision.action
+        lease = self.policy.lease_s(inputs) if action is RETAIN else 0.0
+        # Positional, in field order (session_id, decision, inputs, tool, wait_source,
+        # paused_at, expected_return, lease_until, state): a keyword call to a dataclass's
+        # __init__ costs ~5k instructions, and every pause makes one.
         record = PauseRecord(
-            session_id=session.session_id,
-            decision=decision,
-            inputs=inputs,
-            tool=tool,
-            wait_source=source,
-            paused_at=now,
-            expected_return=now + wait,
-            lease_until=now + lease,
-            state=RETAINED,
+            sid, decision, inputs, tool, source, now, now + wait, now + lease, RETAINED
         )
         self.records.file(record)
-        self.stats.decisions[str(decision.action)] += 1
-        self._apply(session, record, nodes)
+        self.stats.decisions[str(action)] += 1
+        if action is not RETAIN or math.isfinite(record.lease_until):  # else: nothing to do
+            self._apply(session, record, nodes)
         if self.session_store is not None:
-            meta = {"action": str(decision.action), "tool": tool, "expected_wait_s": wait}
-            self.session_store.save(session.session_id, traj.tokens, session.salt, meta)
+            meta = {"action": str(action), "tool": tool, "expected_wait_s": wait}
+            self.session_store.save(sid, traj.tokens, session.salt, meta)
         return decision
+
+    def _exclusive_device(self, traj: Trajectory) -> tuple[list[RadixNode], int, int]:
+        """`exclusive_device_nodes` of ``traj``, with the blocks and tokens a pause of it
+        prices (`pause_inputs`' sums), in one walk up its path."""
+        nodes = []
+        tokens = traj.num_computed_tokens - traj.locked_tokens
+        blocks = traj.num_private_blocks
+        node = traj.locked_node
+        while node.depth_tokens and node.lock_count == 1:  # depth 0: the root
+            device = node.blocks.get(DEVICE)
+            if device is not None:
+                nodes.append(node)
+                tokens += len(node.tokens)
+                blocks += len(device)  # every tier's copy has the edge's block count
+            node = node.parent  # type: ignore[assignment]  # only the root has none
+        return nodes, blocks, tokens
 
     def pause_inputs(
         self,
@@ -176,36 +189,39 @@ class OffloadManager:
     ) -> PauseInputs:
         """What the policy is told of a pause of ``traj`` (``nodes``: its exclusive device
         nodes) at ``now`` (the clock's time when not given)."""
-        mover, bb, records = self.mover, self.block_bytes, self.records
-        if now is None:
-            now = self.now()
         tokens = traj.num_computed_tokens - traj.locked_tokens
         blocks = traj.num_private_blocks
         for node in nodes:  # one pass for both sums
             tokens += len(node.tokens)
             blocks += node.num_blocks
-        host = mover.host_pool if mover.has_host else None
-        host_free, host_pressure = pricing.host_room_of(host, self.radix, bb, records)
+        return self._inputs(traj, blocks, tokens, wait, tool, self.now() if now is None else now)
+
+    def _inputs(
+        self, traj: Trajectory, blocks: int, tokens: int, wait: float, tool: str | None, now: float
+    ) -> PauseInputs:
+        """`pause_inputs` from the sums over the exclusive nodes."""
+        mover, bb, records = self.mover, self.block_bytes, self.records
+        host_free, host_pressure = pricing.host_room_of(self._host, self.radix, bb, records)
         kv_bytes = float(blocks * bb)
-        return PauseInputs(
-            kv_bytes=kv_bytes,
-            num_tokens=max(tokens, 0),
-            expected_wait_s=wait,
-            device_host_bw_bytes_s=mover.device_link_bw(),
-            host_disk_bw_bytes_s=mover.disk_bw(),
-            prefill_tokens_per_s=self.prefill.tokens_per_s(
-                len(traj.tokens), DEFAULT_PREFILL_TOKENS_PER_S
-            ),
-            device_pressure=pricing.pressure_on(self.pressure(), records, now, kv_bytes, wait),
-            host_pressure=host_pressure,
-            host_free_bytes=float(host_free),
-            device_used_bytes=pricing.working_bytes(
+        waits = self.waits.by_tool.get(tool, ()) if tool and self.tool_waits_read else ()
+        return PauseInputs(  # positional, in field order (see `pause`'s record)
+            kv_bytes,
+            tokens if tokens > 0 else 0,  # num_tokens (max(tokens, 0) without the builtin)
+            wait,  # expected_wait_s
+            mover.device_link_bw(),
+            mover.disk_bw(),
+            self.prefill.tokens_per_s(len(traj.tokens), DEFAULT_PREFILL_TOKENS_PER_S),
+            None,  # num_params
+            None,  # prefill_flops_per_s
+            pricing.pressure_on(self.pressure(), records, now, kv_bytes, wait),
+            host_pressure,
+            float(host_free),
+            0.0,  # stall_tolerance_s
+            pricing.working_bytes(
                 self.kv.device.num_used * bb, self.radix.evictable_blocks(DEVICE) * bb, records
             ),
-            tool=tool,
-            tool_waits=(
-                tuple(self.waits.by_tool.get(tool, ())) if tool and self.tool_waits_read else ()
-            ),
+            tool,
+            tuple(waits),  # tool_waits
         )
 
     def _apply(self, session: PausableSession, record: PauseRecord, nodes: list[RadixNode]) -> None:

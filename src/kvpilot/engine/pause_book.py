@@ -35,6 +35,8 @@ class PauseBook(Mapping[str, PauseRecord]):
         self._records: dict[str, PauseRecord] = {}
         self._bytes: defaultdict[tuple[PauseAction, PauseState], float] = defaultdict(float)
         self._state_bytes: defaultdict[PauseState, float] = defaultdict(float)
+        # `bytes_in` of RETAINED (the same additions), read as an attribute by every pause.
+        self.retained_bytes = 0.0
         # The retained records, oldest pause first: (paused_at, kv_bytes, expected_return).
         self._retained: dict[str, tuple[float, float, float]] = {}
 
@@ -63,22 +65,20 @@ class PauseBook(Mapping[str, PauseRecord]):
 
     def file(self, record: PauseRecord) -> None:
         """File a new pause (replacing the session's previous record, if any)."""
-        self.pop(record.session_id)
-        newest = next(reversed(self._records.values()), None)
+        sid, records = record.session_id, self._records
+        if sid in records:
+            self.pop(sid)
+        newest = next(reversed(records.values()), None)
         if newest is not None and record.paused_at < newest.paused_at:
             raise AssertionError(
-                f"pause of {record.session_id} at {record.paused_at} filed after one at "
+                f"pause of {sid} at {record.paused_at} filed after one at "
                 f"{newest.paused_at}: records must come in pause order"
             )
-        self._records[record.session_id] = record
+        records[sid] = record
         kv_bytes = record.inputs.kv_bytes
         self._count(record, kv_bytes)
         if record.state is RETAINED:
-            self._retained[record.session_id] = (
-                record.paused_at,
-                kv_bytes,
-                record.expected_return,
-            )
+            self._retained[sid] = (record.paused_at, kv_bytes, record.expected_return)
 
     def pop(self, session_id: str) -> PauseRecord | None:
         record = self._records.pop(session_id, None)
@@ -104,8 +104,11 @@ class PauseBook(Mapping[str, PauseRecord]):
             self._retained = self._retained_by_walk()
 
     def _count(self, record: PauseRecord, kv_bytes: float) -> None:
-        self._bytes[record.action, record.state] += kv_bytes
-        self._state_bytes[record.state] += kv_bytes
+        state = record.state
+        self._bytes[record.decision.action, state] += kv_bytes
+        self._state_bytes[state] += kv_bytes
+        if state is RETAINED:
+            self.retained_bytes += kv_bytes
 
     # -- the tallies ----------------------------------------------------------------------
 
@@ -151,6 +154,10 @@ class PauseBook(Mapping[str, PauseRecord]):
                 kept == {k: v for k, v in walk.items() if v},
                 f"pause tallies {kept} do not match the records {dict(walk)}",
             )
+        require(
+            self.retained_bytes == walked_states[RETAINED],
+            f"retained bytes {self.retained_bytes} do not match the records",
+        )
         require(
             list(self._retained.items()) == list(self._retained_by_walk().items()),
             "the index of retained records does not match the records",

@@ -48,9 +48,12 @@ def pressure_on(
     retained idle state that is back sooner than it. When memory is needed, `reclaim`
     demotes whatever is back last first, so state that others would give way for is under
     no pressure itself; the one back last feels it all."""
-    pressure = min(1.0, max(0.0, pressure))
+    # min(1.0, max(0.0, pressure)), without two builtin calls (~1.5k instructions each):
+    # max(a, b) is ``b if b > a else a`` and min(a, b) ``b if b < a else a``, NaN included.
+    pressure = pressure if pressure > 0.0 else 0.0
+    pressure = pressure if pressure < 1.0 else 1.0
     sooner = book.retained_back_by(now + wait, now)
-    later = book.bytes_in(RETAINED) - sooner
+    later = book.retained_bytes - sooner
     if later == 0.0:
         return pressure
     return pressure * (sooner + kv_bytes) / (sooner + later + kv_bytes)
@@ -59,8 +62,9 @@ def pressure_on(
 def working_bytes(used: float, evictable: float, book: PauseBook) -> float:
     """Device bytes of the work a recompute would stall: what is in use, less the prefix
     cache (evictable) and less the state idle sessions hold (they compute nothing)."""
-    idle = book.bytes_in(RETAINED) + book.bytes_in(PREFETCHED)
-    return max(0.0, used - evictable - idle)
+    idle = book.retained_bytes + book.bytes_in(PREFETCHED)
+    working = used - evictable - idle
+    return working if working > 0.0 else 0.0  # max(0.0, working): see `pressure_on`
 
 
 def host_room(
@@ -70,8 +74,12 @@ def host_room(
     paused sessions offloaded there and will want back: those bytes are held, not cache
     (`host.usage` counts both)."""
     awaited = book.bytes_in(OFFLOADED, OFFLOAD_HOST)
-    free = max(0.0, free_or_evictable_bytes - awaited)
-    return free, min(1.0, max(0.0, 1.0 - free / max(capacity_bytes, 1.0)))
+    # max and min written out (see `pressure_on`): this is read by every pause.
+    free = free_or_evictable_bytes - awaited
+    free = free if free > 0.0 else 0.0
+    used = 1.0 - free / (1.0 if capacity_bytes < 1.0 else capacity_bytes)
+    used = used if used > 0.0 else 0.0
+    return free, (used if used < 1.0 else 1.0)
 
 
 def host_room_of(pool: Any, radix: Any, block_bytes: int, book: PauseBook) -> tuple[float, float]:

@@ -32,8 +32,10 @@ class PauseTimers:
         self._by_session.setdefault(session_id, []).append(timer)
 
     def cancel(self, session_id: str) -> None:
-        for timer in self._by_session.pop(session_id, []):
-            timer.cancelled = True
+        timers = self._by_session.pop(session_id, None)  # every pause and resume: no list
+        if timers is not None:
+            for timer in timers:
+                timer.cancelled = True
 
     def fire_due(self, now: float) -> None:
         """Run every live timer due by ``now``, earliest first."""

@@ -17,7 +17,8 @@ def clamp_wait_s(wait_s: float) -> float:
     """A wait in [0, MAX_WAIT_S] (NaN counts as 0)."""
     if not wait_s >= 0.0:
         return 0.0
-    return min(float(wait_s), MAX_WAIT_S)
+    wait_s = float(wait_s)
+    return MAX_WAIT_S if wait_s > MAX_WAIT_S else wait_s  # min(wait_s, MAX_WAIT_S), no builtin
 
 
 # The engine builds a `PauseInputs` and a `PauseDecision` per pause. Neither is frozen: a
