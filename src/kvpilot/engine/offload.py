@@ -290,7 +290,8 @@ class OffloadManager:
         """A sequence was admitted: count the tokens it recomputes that were computed before,
         and (on a request's first admission) which tier its cached prefix came from."""
         traj = seq.traj
-        lost = min(traj.high_water(), len(traj.tokens) - 1) - traj.num_computed_tokens
+        high, last = traj.high_water(), len(traj.tokens) - 1
+        lost = (last if last < high else high) - traj.num_computed_tokens  # min(), no builtin
         if lost > 0:
             self.stats.recomputed_tokens += lost
         if seq.index == 0 and not seq.output_token_ids and seq.num_preemptions == 0:
@@ -311,7 +312,7 @@ class OffloadManager:
         if record is None:
             return
         self.waits.observe(record.tool, self.now() - record.paused_at)
-        if record.action in OFFLOADS:
+        if record.decision.action in OFFLOADS:
             job = self.mover.load_of(session.traj)
             if record.state is PauseState.PREFETCHED and job is None:
                 self.stats.prefetch_hits += 1
@@ -451,10 +452,12 @@ class OffloadManager:
         """With no copy in flight, the earliest clock time at which `poll` does anything (a
         timer, an idle memory-time sample): polls before it change nothing (decode runs
         skip them)."""
-        timer = self.next_event_at()
+        timer = self.timers.next_at()
         when = math.inf if timer is None else timer
         if self.mover.transport is not None or self.records:
-            when = min(when, self._held_sample[0] + IDLE_SAMPLE_S)
+            sample = self._held_sample[0] + IDLE_SAMPLE_S
+            if sample < when:  # min(when, sample) without the builtin
+                when = sample
         return when
 
     def forget(self, session: PausableSession) -> None:

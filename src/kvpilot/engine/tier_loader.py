@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 from kvpilot.engine.executor import TierTransport, Transfer
@@ -29,6 +30,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 OFF_DEVICE = (Tier.HOST, Tier.DISK)
+# `take_loaded`'s answer for a trajectory nothing was loaded for (almost every admission):
+# one shared read-only mapping, not a new dict per call.
+NOTHING_LOADED: Mapping[Tier, int] = MappingProxyType(dict.fromkeys(OFF_DEVICE, 0))
 # A turn that needs its prefix back from host now (no prefetch brought it) waits for a load of
 # at most this much link time in the step that wants it, as a compute stream waits on a copy
 # event, instead of sitting out a whole step (the load noticed only at the next poll): on
@@ -300,9 +304,9 @@ class TierLoader:
         per = self.loaded.setdefault(traj.traj_id, dict.fromkeys(OFF_DEVICE, 0))
         per[tier] += tokens
 
-    def take_loaded(self, traj: Trajectory) -> dict[Tier, int]:
+    def take_loaded(self, traj: Trajectory) -> Mapping[Tier, int]:
         """Tokens of ``traj`` loaded back from each tier since the last call."""
-        return self.loaded.pop(traj.traj_id, dict.fromkeys(OFF_DEVICE, 0))
+        return self.loaded.pop(traj.traj_id, NOTHING_LOADED)
 
     def forget(self, traj: Trajectory) -> None:
         self.disk_hint.discard(traj.traj_id)

@@ -15,12 +15,12 @@ cannot be moved or read back is recomputed.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvpilot.engine.executor import TierTransport, Transfer
-from kvpilot.engine.tier_loader import Load, TierLoader
+from kvpilot.engine.tier_loader import NOTHING_LOADED, Load, TierLoader
 from kvpilot.engine.tier_stats import MoveKind, MoveStage, TierStats
 from kvpilot.errors import require
 from kvpilot.memory import KVManager, RadixNode, Tier, Trajectory
@@ -246,9 +246,9 @@ class TierMover:
         """The load in flight for ``traj``, if any."""
         return None if self.loader is None else self.loader.loads.get(traj.traj_id)
 
-    def take_loaded(self, traj: Trajectory) -> dict[Tier, int]:
+    def take_loaded(self, traj: Trajectory) -> Mapping[Tier, int]:
         if self.loader is None:
-            return dict.fromkeys((Tier.HOST, Tier.DISK), 0)
+            return NOTHING_LOADED
         return self.loader.take_loaded(traj)
 
     def hint_disk(self, traj: Trajectory) -> None:

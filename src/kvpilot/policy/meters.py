@@ -30,7 +30,10 @@ class RateMeter:
     def observe(self, amount: float, seconds: float) -> None:
         if amount <= 0 or seconds <= 0:
             return
-        rate = amount / seconds
+        self.add(amount / seconds)
+
+    def add(self, rate: float) -> None:
+        """One sample of the rate itself (`observe` of a positive amount and time)."""
         self.value = rate if self.value is None else self.value + self.alpha * (rate - self.value)
         self.samples += 1
 
@@ -51,8 +54,12 @@ class PrefillRateMeter:
         return bisect.bisect_left(self.BOUNDS, context_tokens)
 
     def observe(self, prefill_tokens: int, seconds: float, context_tokens: int) -> None:
-        self.buckets[self._bucket(context_tokens)].observe(prefill_tokens, seconds)
-        self.overall.observe(prefill_tokens, seconds)
+        # Every engine step with a prefill: the rate checked and worked out once for both.
+        if prefill_tokens <= 0 or seconds <= 0:
+            return
+        rate = prefill_tokens / seconds
+        self.buckets[bisect.bisect_left(self.BOUNDS, context_tokens)].add(rate)
+        self.overall.add(rate)
 
     def tokens_per_s(self, context_tokens: int, default: float) -> float:
         meter = self.buckets[self._bucket(context_tokens)]
@@ -75,7 +82,8 @@ class WaitPredictor:
     def observe(self, tool: str | None, wait_s: float) -> None:
         if not wait_s >= 0:
             return
-        wait_s = min(wait_s, MAX_WAIT_S)
+        if wait_s > MAX_WAIT_S:  # min(wait_s, MAX_WAIT_S) without the builtin
+            wait_s = MAX_WAIT_S
         if tool:
             self.by_tool[tool].append(wait_s)
         self.all.append(wait_s)
