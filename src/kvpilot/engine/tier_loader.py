@@ -21,7 +21,8 @@ from kvpilot.engine.tier_stats import MoveStage, TierStats
 from kvpilot.errors import OutOfBlocks
 from kvpilot.memory import KVManager, RadixNode, Tier, Trajectory
 from kvpilot.memory.hashing import block_hash
-from kvpilot.memory.residency import Residency
+from kvpilot.memory.residency import LOADING, READY, Residency
+from kvpilot.memory.tiers import HOST
 from kvpilot.policy.meters import RateMeter
 
 if TYPE_CHECKING:
@@ -108,10 +109,10 @@ class TierLoader:
                 self.stats.prefetch_stalls += 1
             if not prefetch and self._finish_now(job):
                 return self.ensure_resident(traj, session_id=session_id)
-            return Residency.LOADING
+            return LOADING
         on_disk = self.disk is not None and len(self.disk) > 0
-        if not self.radix.cached_blocks(Tier.HOST) and not on_disk:
-            return Residency.READY  # nothing lives off the device: every admission's fast path
+        if not self.radix.cached_blocks(HOST) and not on_disk:
+            return READY  # nothing lives off the device: every admission's fast path
         buf = traj.token_array()
         tokens = buf[: max(len(buf) - 1, 0)]
         match = self.radix.match(tokens, traj.salt, record=False, tier=None)

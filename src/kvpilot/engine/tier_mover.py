@@ -240,6 +240,8 @@ class TierMover:
     ) -> Residency:
         if self.loader is None:
             return Residency.READY
+        if not prefetch and session_id is None:  # every admission: no keyword call
+            return self.loader.ensure_resident(traj)
         return self.loader.ensure_resident(traj, prefetch=prefetch, session_id=session_id)
 
     def load_of(self, traj: Trajectory) -> Load | None:

@@ -288,7 +288,9 @@ def decide_pause(
 ) -> PauseDecision:
     """Apply the break-even rule of the module docstring to one paused trajectory."""
     basis = (inputs, thresholds)
-    if _plentiful(inputs, thresholds):  # step 1 decides on the pressure alone
+    # Step 1 (`_plentiful`, read in place: almost every engine pause ends here) decides on
+    # the pressure alone.
+    if inputs.device_pressure < thresholds.device_plentiful_below:
         return PauseDecision._deferred(_RETAIN, basis)
     f = _figures(inputs, thresholds)
     action = _rule(inputs, thresholds, f, False)[0]

@@ -58,11 +58,11 @@ class PrefillRateMeter:
         if prefill_tokens <= 0 or seconds <= 0:
             return
         rate = prefill_tokens / seconds
-        self.buckets[bisect.bisect_left(self.BOUNDS, context_tokens)].add(rate)
+        self.buckets[bisect.bisect_left(self.BOUNDS, context_tokens)].add(rate)  # `_bucket`
         self.overall.add(rate)
 
     def tokens_per_s(self, context_tokens: int, default: float) -> float:
-        meter = self.buckets[self._bucket(context_tokens)]
+        meter = self.buckets[bisect.bisect_left(self.BOUNDS, context_tokens)]  # `_bucket`
         if meter.value is not None:
             return meter.value
         return self.overall.get(default)
