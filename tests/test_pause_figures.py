@@ -87,3 +87,28 @@ def test_a_pause_prices_what_only_its_session_holds() -> None:
     shared = traj.num_computed_tokens // 16 * 16
     assert record.inputs.num_tokens == child.traj.num_computed_tokens - shared
     assert record.inputs.kv_bytes == (len(child.traj.block_table) - shared // 16) * bb
+
+
+def test_a_pause_is_told_what_pause_inputs_works_out_from_its_exclusive_nodes() -> None:
+    """`pause` sums its exclusive device nodes in the walk that finds them
+    (`OffloadManager._exclusive_device`): the same inputs as `pause_inputs` given the nodes
+    `exclusive_device_nodes` finds, alone, forked, and beside a retained sibling."""
+    engine = engine_with("retain")
+    offload = engine.offload
+    rng = random.Random(2)
+    parent = engine.open_session()
+    parent.generate([rng.randrange(500) for _ in range(70)], PARAMS)
+    children = parent.fork(2)
+    sessions = [parent, *children]
+    for turn in range(3):
+        for i, session in enumerate(sessions):
+            if turn:
+                session.generate([rng.randrange(500) for _ in range(9 + 13 * i)], PARAMS)
+            traj = session.traj
+            nodes = offload.exclusive_device_nodes(traj)
+            wait = 0.5 + i + turn
+            expected = offload.pause_inputs(traj, nodes, wait, "tool", engine.clock.now())
+            session.pause(expected_wait_s=wait, tool="tool")
+            record = session.last_pause
+            assert record is not None and record.inputs == expected
+            engine.clock.advance(0.25)  # type: ignore[attr-defined]
