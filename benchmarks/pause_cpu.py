@@ -101,7 +101,7 @@ class PrefillTally:
                 self.seconds += seconds
             inner(prefill_tokens, seconds, context_tokens)
 
-        offload.observe_step = observe  # type: ignore[method-assign]
+        offload.observe_step = observe
 
     def rate(self, default: float) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else default

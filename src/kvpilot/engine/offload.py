@@ -61,6 +61,18 @@ IDLE_SAMPLE_S = 1.0  # how often idle memory-time is re-measured (clock seconds)
 
 
 class OffloadManager:
+    # Calls handed straight on, bound in __init__ so that a call has no frame of its own (the
+    # step loop, decode runs and admission make them thousands of times a simulated minute):
+    # whether a copy is in flight; when the next pause timer (lease end, prefetch) is due, if
+    # any; make a trajectory's cached prefix device-resident; a session's pause record, if
+    # any; and a step's prefill tokens, seconds and context, for the prefill meter (a step
+    # without a prefill teaches it nothing).
+    busy: Callable[[], bool]  # `TierMover.busy`
+    next_event_at: Callable[[], float | None]  # `PauseTimers.next_at`
+    ensure_resident: Callable[[Trajectory], Residency]  # `TierMover.ensure_resident`
+    record_for: Callable[[str], PauseRecord | None]  # `PauseBook.get`
+    observe_step: Callable[[int, float, int], None]  # `PrefillRateMeter.observe`
+
     def __init__(
         self,
         kv: KVManager,
@@ -96,6 +108,11 @@ class OffloadManager:
         # The idle sessions and the device blocks each holds (the session table reports
         # every turn's start and end): what the idle memory-time sample sums.
         self.idle_held = IdleHeld()
+        self.busy = self.mover.busy
+        self.next_event_at = self.timers.next_at
+        self.ensure_resident = self.mover.ensure_resident
+        self.record_for = self.records.get
+        self.observe_step = self.prefill.observe
         self._held_sample = (clock(), 0)
 
     # -- figures --------------------------------------------------------------------------
@@ -107,10 +124,6 @@ class OffloadManager:
     @property
     def disk(self) -> DiskBlockStore | None:
         return self.mover.disk
-
-    def observe_step(self, prefill_tokens: int, seconds: float, context_tokens: int) -> None:
-        if prefill_tokens > 0:
-            self.prefill.observe(prefill_tokens, seconds, context_tokens)
 
     def exclusive_device_nodes(self, traj: Trajectory) -> list[RadixNode]:
         """The device-resident part of the trajectory's path only it holds, deepest first."""
@@ -283,9 +296,6 @@ class OffloadManager:
 
     # -- resume ---------------------------------------------------------------------------
 
-    def ensure_resident(self, traj: Trajectory) -> Residency:
-        return self.mover.ensure_resident(traj)
-
     def on_admit(self, seq: Sequence) -> None:
         """A sequence was admitted: count the tokens it recomputes that were computed before,
         and (on a request's first admission) which tier its cached prefix came from."""
@@ -320,9 +330,6 @@ class OffloadManager:
                 job.prefetch = False
                 self.stats.prefetch_stalls += 1
 
-    def record_for(self, session_id: str) -> PauseRecord | None:
-        return self.records.get(session_id)
-
     def stored_session(self, session_id: str) -> StoredSession | None:
         """The session saved when it paused before a restart, if there is a session store."""
         return self.session_store.load(session_id) if self.session_store is not None else None
@@ -332,9 +339,6 @@ class OffloadManager:
         self.mover.hint_disk(traj)
 
     # -- the step loop's hooks ------------------------------------------------------------
-
-    def busy(self) -> bool:
-        return self.mover.busy()
 
     def wait_for_copies(self, timeout_s: float) -> bool:
         """Block up to ``timeout_s`` of real time until a copy run by a thread finishes
@@ -443,10 +447,6 @@ class OffloadManager:
         return pricing.disk_demotion_reload_s(
             kv_bytes, tokens, mover.device_link_bw(), mover.disk_bw(), rate
         )
-
-    def next_event_at(self) -> float | None:
-        """When the next pause timer (lease end, prefetch) is due, if any."""
-        return self.timers.next_at()
 
     def next_poll_at(self) -> float:
         """With no copy in flight, the earliest clock time at which `poll` does anything (a
