@@ -81,8 +81,10 @@ def test_tallies_equal_a_walk_of_the_records(ops: list[tuple], later: float, wai
         for action in PauseAction:
             assert book.bytes_in(state, action) == bytes_by_walk(records, state, action)
         assert book.bytes_in(state) == sum(r.inputs.kv_bytes for r in records if r.state is state)
-    # The attribute every pause reads: the same sum, kept apart.
+    # The attributes every pause reads: the same sums, kept apart.
     assert book.retained_bytes == book.bytes_in(PauseState.RETAINED)
+    assert book.prefetched_bytes == book.bytes_in(PauseState.PREFETCHED)
+    assert book.host_awaited_bytes == book.bytes_in(PauseState.OFFLOADED, PauseAction.OFFLOAD_HOST)
     at = now + later
     for p in (0.0, 0.7, 1.0):
         # Bit for bit: the same figures, summed exactly, whatever the order.

@@ -64,10 +64,12 @@ class OffloadManager:
     # Calls handed straight on, bound in __init__ so that a call has no frame of its own (the
     # step loop, decode runs and admission make them thousands of times a simulated minute):
     # whether a copy is in flight; when the next pause timer (lease end, prefetch) is due, if
-    # any; make a trajectory's cached prefix device-resident; a session's pause record, if
-    # any; and a step's prefill tokens, seconds and context, for the prefill meter (a step
-    # without a prefill teaches it nothing).
+    # any; a session is between turns (opened, forked, or its turn ended); make a
+    # trajectory's cached prefix device-resident; a session's pause record, if any; and a
+    # step's prefill tokens, seconds and context, for the prefill meter (a step without a
+    # prefill teaches it nothing).
     busy: Callable[[], bool]  # `TierMover.busy`
+    session_idle: Callable[[PausableSession], None]  # `IdleHeld.idle`
     next_event_at: Callable[[], float | None]  # `PauseTimers.next_at`
     ensure_resident: Callable[[Trajectory], Residency]  # `TierMover.ensure_resident`
     record_for: Callable[[str], PauseRecord | None]  # `PauseBook.get`
@@ -109,6 +111,7 @@ class OffloadManager:
         # every turn's start and end): what the idle memory-time sample sums.
         self.idle_held = IdleHeld()
         self.busy = self.mover.busy
+        self.session_idle = self.idle_held.idle
         self.next_event_at = self.timers.next_at
         self.ensure_resident = self.mover.ensure_resident
         self.record_for = self.records.get
@@ -348,10 +351,6 @@ class OffloadManager:
             wait(threads, timeout=timeout_s, return_when=FIRST_COMPLETED)
         return bool(threads)
 
-    def session_idle(self, session: PausableSession) -> None:
-        """``session`` is between turns: opened, forked, or its turn ended."""
-        self.idle_held.idle(session)
-
     def session_busy(self, session: PausableSession) -> None:
         """``session`` started a turn."""
         self.idle_held.busy(session.session_id)
@@ -368,7 +367,9 @@ class OffloadManager:
             self._held_sample = (now, held)
         if self.mover.busy():
             self._finish_loads()
-        self.timers.fire_due(now)
+        heap = self.timers.heap
+        if heap and heap[0].at <= now:  # a timer is due: `fire_due` has work
+            self.timers.fire_due(now)
 
     def _finish_loads(self) -> None:
         """Advance the transfers that are done; hold the prefixes that came back."""

@@ -25,7 +25,9 @@ from kvpilot.engine.tier_stats import PauseRecord, PauseState
 from kvpilot.errors import require
 from kvpilot.policy.breakeven import PauseAction, PauseDecision
 
-RETAINED = PauseState.RETAINED  # a module constant: an enum member's class attribute lookup is slow
+# Module constants: an enum member's class attribute lookup is slow.
+RETAINED, PREFETCHED, OFFLOADED = PauseState.RETAINED, PauseState.PREFETCHED, PauseState.OFFLOADED
+OFFLOAD_HOST = PauseAction.OFFLOAD_HOST
 
 
 class PauseBook(Mapping[str, PauseRecord]):
@@ -35,8 +37,12 @@ class PauseBook(Mapping[str, PauseRecord]):
         self._records: dict[str, PauseRecord] = {}
         self._bytes: defaultdict[tuple[PauseAction, PauseState], float] = defaultdict(float)
         self._state_bytes: defaultdict[PauseState, float] = defaultdict(float)
-        # `bytes_in` of RETAINED (the same additions), read as an attribute by every pause.
+        # The three tallies every pause reads (`pause_pricing`), kept as attributes as well
+        # (the same additions): `bytes_in` of RETAINED, of PREFETCHED, and of OFFLOADED
+        # decided OFFLOAD_HOST (state awaited on host).
         self.retained_bytes = 0.0
+        self.prefetched_bytes = 0.0
+        self.host_awaited_bytes = 0.0
         # The retained records, oldest pause first: (paused_at, kv_bytes, expected_return).
         self._retained: dict[str, tuple[float, float, float]] = {}
 
@@ -104,11 +110,15 @@ class PauseBook(Mapping[str, PauseRecord]):
             self._retained = self._retained_by_walk()
 
     def _count(self, record: PauseRecord, kv_bytes: float) -> None:
-        state = record.state
-        self._bytes[record.decision.action, state] += kv_bytes
+        state, action = record.state, record.decision.action
+        self._bytes[action, state] += kv_bytes
         self._state_bytes[state] += kv_bytes
         if state is RETAINED:
             self.retained_bytes += kv_bytes
+        elif state is PREFETCHED:
+            self.prefetched_bytes += kv_bytes
+        elif state is OFFLOADED and action is OFFLOAD_HOST:
+            self.host_awaited_bytes += kv_bytes
 
     # -- the tallies ----------------------------------------------------------------------
 
@@ -154,9 +164,11 @@ class PauseBook(Mapping[str, PauseRecord]):
                 kept == {k: v for k, v in walk.items() if v},
                 f"pause tallies {kept} do not match the records {dict(walk)}",
             )
+        kept_apart = (self.retained_bytes, self.prefetched_bytes, self.host_awaited_bytes)
+        host_awaited = walked[OFFLOAD_HOST, OFFLOADED]
         require(
-            self.retained_bytes == walked_states[RETAINED],
-            f"retained bytes {self.retained_bytes} do not match the records",
+            kept_apart == (walked_states[RETAINED], walked_states[PREFETCHED], host_awaited),
+            f"retained, prefetched, host-awaited bytes {kept_apart} do not match the records",
         )
         require(
             list(self._retained.items()) == list(self._retained_by_walk().items()),

@@ -62,7 +62,7 @@ def pressure_on(
 def working_bytes(used: float, evictable: float, book: PauseBook) -> float:
     """Device bytes of the work a recompute would stall: what is in use, less the prefix
     cache (evictable) and less the state idle sessions hold (they compute nothing)."""
-    idle = book.retained_bytes + book.bytes_in(PREFETCHED)
+    idle = book.retained_bytes + book.prefetched_bytes
     working = used - evictable - idle
     return working if working > 0.0 else 0.0  # max(0.0, working): see `pressure_on`
 
@@ -73,7 +73,7 @@ def host_room(
     """(free bytes, pressure) of the host tier. Host room is what LRU may evict, less what
     paused sessions offloaded there and will want back: those bytes are held, not cache
     (`host.usage` counts both)."""
-    awaited = book.bytes_in(OFFLOADED, OFFLOAD_HOST)
+    awaited = book.host_awaited_bytes
     # max and min written out (see `pressure_on`): this is read by every pause.
     free = free_or_evictable_bytes - awaited
     free = free if free > 0.0 else 0.0

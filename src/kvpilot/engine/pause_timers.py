@@ -22,13 +22,15 @@ class PauseTimers:
     """A heap of timers, each owned by a session (cancelled together when it resumes)."""
 
     def __init__(self) -> None:
-        self._heap: list[_Timer] = []
+        # Earliest first. Read, never changed, by the offload manager's poll: a poll that
+        # finds nothing due (the heap's top later than now) makes no call.
+        self.heap: list[_Timer] = []
         self._ids = itertools.count()
         self._by_session: dict[str, list[_Timer]] = {}
 
     def at(self, when: float, session_id: str, action: Callable[[], None]) -> None:
         timer = _Timer(when, next(self._ids), session_id, action)
-        heapq.heappush(self._heap, timer)
+        heapq.heappush(self.heap, timer)
         self._by_session.setdefault(session_id, []).append(timer)
 
     def cancel(self, session_id: str) -> None:
@@ -39,7 +41,7 @@ class PauseTimers:
 
     def fire_due(self, now: float) -> None:
         """Run every live timer due by ``now``, earliest first."""
-        heap = self._heap
+        heap = self.heap
         while heap and heap[0].at <= now:
             timer = heapq.heappop(heap)
             if timer.cancelled:
@@ -52,7 +54,7 @@ class PauseTimers:
             timer.action()
 
     def next_at(self) -> float | None:
-        heap = self._heap
+        heap = self.heap
         while heap and heap[0].cancelled:  # cancelled timers leave the top as they reach it
             heapq.heappop(heap)
         return heap[0].at if heap else None
@@ -62,7 +64,7 @@ class PauseTimers:
         return set(self._by_session)
 
     def check_invariants(self) -> None:
-        pending = {id(t) for t in self._heap if not t.cancelled}
+        pending = {id(t) for t in self.heap if not t.cancelled}
         owned = [t for timers in self._by_session.values() for t in timers]
         assert all(not t.cancelled for t in owned), "a cancelled timer is still owned"
         assert {id(t) for t in owned} == pending, "live timers and their owners disagree"
