@@ -23,14 +23,15 @@ from kvpilot.engine.executor import TierTransport
 from kvpilot.engine.idle_held import IdleHeld
 from kvpilot.engine.pause_book import PauseBook
 from kvpilot.engine.pause_timers import PauseTimers
+from kvpilot.engine.reclaim import reclaim_one
 from kvpilot.engine.tier_mover import TierMover
-from kvpilot.engine.tier_stats import MoveKind, PauseRecord, PauseState, TierStats
+from kvpilot.engine.tier_stats import PauseRecord, PauseState, TierStats
 from kvpilot.errors import InvalidRequest, require
-from kvpilot.memory import KVManager, RadixNode, Tier, Trajectory
+from kvpilot.memory import KVManager, RadixNode, Trajectory
 from kvpilot.memory.residency import Residency
 from kvpilot.memory.tiers import DEVICE, DISK, HOST
 from kvpilot.policy.breakeven import PauseAction, PauseDecision
-from kvpilot.policy.meters import PrefillRateMeter, WaitPredictor
+from kvpilot.policy.meters import DEFAULT_PREFILL_TOKENS_PER_S, PrefillRateMeter, WaitPredictor
 from kvpilot.policy.pause import PausePolicy, make_pause_policy
 from kvpilot.policy.pause_inputs import PauseInputs, clamp_wait_s
 
@@ -51,7 +52,6 @@ class PausableSession(Protocol):
     last_used: float
 
 
-DEFAULT_PREFILL_TOKENS_PER_S = 2_000.0
 # Module constants: an enum member's class attribute lookup is slow, and every pause reads these
 # (the tiers' come from `kvpilot.memory.tiers`).
 RETAIN, RETAINED = PauseAction.RETAIN, PauseState.RETAINED
@@ -263,9 +263,9 @@ class OffloadManager:
             self.mover.write_disk(nodes)
             self.mover.hint_disk(traj)
             reload_s = record.decision.disk_reload_s
-        self._offloaded(session, record, reload_s)
+        self.offloaded(session, record, reload_s)
 
-    def _offloaded(self, session: PausableSession, record: PauseRecord, reload_s: float) -> None:
+    def offloaded(self, session: PausableSession, record: PauseRecord, reload_s: float) -> None:
         """Off the device and awaited: prefetched back ahead of its return (if that is ahead)."""
         self.records.change(record, PauseState.OFFLOADED)
         at = record.expected_return - 2 * reload_s - 0.005
@@ -383,71 +383,9 @@ class OffloadManager:
                 self.records.change(record, PauseState.PREFETCHED)
 
     def reclaim(self, idle: Seq[PausableSession]) -> int:
-        """Memory pressure, with idle state to demote; returns 0 when nothing gave way (the
-        scheduler stops asking), else 1.
-
-        Copies out to host already under way (a pause's offload) free their blocks first:
-        wait for them and demote nothing more this call (copies to disk are not waited for:
-        they run at the disk's speed, slower than demoting a state to host). Else demote the
-        idle trajectory back last (`pricing.pick_demotion`) to host (the copy waited for),
-        awaited there like an offload; when the host has no room for it, to disk if its round
-        trip beats a recompute (`pricing.disk_demotion_reload_s`, the write waited for); else
-        to the prefix cache, where eviction takes it. A state prefetched back and demoted
-        again still has its host copy: nothing is copied, and it is awaited there like any
-        demotion to host (held, not LRU room; prefetched back)."""
-        holders = [s for s in idle if s.traj.block_table and self.held_bytes(s.traj)]
-        if not holders:
-            return 0
-        moves = self.mover.moves
-        if moves and all(m.kind is MoveKind.HOST for m in moves):
-            # Demoting would wait for them too (`wait_moves`): their blocks may be enough.
-            self.mover.wait_moves()
-            return 1
-        now = self.now()
-        victim = pricing.pick_demotion(holders, self.records, now)
-        nodes = self.exclusive_device_nodes(victim.traj)
-        disk_reload_s = self._disk_demotion(victim.traj, nodes)
-        victim.traj.release_kv(keep_in_cache=True)
-        record = self.records.get(victim.session_id)
-        if record is not None:
-            self.timers.cancel(victim.session_id)
-            self.records.change(record, PauseState.CACHED)
-        tier = "cache"
-        if disk_reload_s is not None and self.mover.write_disk(nodes) is not None:
-            self.mover.hint_disk(victim.traj)
-            tier = "disk"
-        elif self.mover.has_host and nodes and self.mover.swap_out(nodes) is not None:
-            tier = "host"
-        elif nodes and all(Tier.HOST in n.blocks for n in nodes):
-            tier = "host"  # already there (a prefetched state): nothing to copy
-        if tier != "cache":
-            self.mover.wait_moves()
-            if record is not None:
-                to_disk = disk_reload_s if tier == "disk" else None
-                demoted = pricing.demoted_to(record.decision, to_disk)
-                self.records.change(record, PauseState.CACHED, demoted)
-                record.expected_return = pricing.next_use(record, now)
-                self._offloaded(victim, record, pricing.reload_of(record.decision))
-        self.stats.decisions["demoted"] += 1
-        self.stats.demoted_to[tier] += 1
-        return 1
-
-    def _disk_demotion(self, traj: Trajectory, nodes: list[RadixNode]) -> float | None:
-        """The disk reload time when reclaim should demote these nodes to disk: the host has
-        no room for them without evicting state awaited there, a disk tier exists and its
-        round trip beats recomputing them; else None."""
-        mover, bb = self.mover, self.block_bytes
-        if mover.disk is None or mover.transport is None or not nodes:
-            return None
-        kv_bytes = sum(n.num_blocks for n in nodes) * bb
-        host = mover.host_pool if mover.has_host else None
-        if pricing.host_room_of(host, self.radix, bb, self.records)[0] >= kv_bytes:
-            return None
-        rate = self.prefill.tokens_per_s(len(traj.tokens), DEFAULT_PREFILL_TOKENS_PER_S)
-        tokens = sum(len(n.tokens) for n in nodes)
-        return pricing.disk_demotion_reload_s(
-            kv_bytes, tokens, mover.device_link_bw(), mover.disk_bw(), rate
-        )
+        """Memory pressure, with idle state to demote (`kvpilot.engine.reclaim`); returns 0
+        when nothing gave way (the scheduler stops asking), else 1."""
+        return reclaim_one(self, idle)
 
     def next_poll_at(self) -> float:
         """With no copy in flight, the earliest clock time at which `poll` does anything (a

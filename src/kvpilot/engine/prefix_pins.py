@@ -14,11 +14,10 @@ from typing import TYPE_CHECKING
 
 from kvpilot.memory import KVManager, RadixNode, Tier
 from kvpilot.policy.breakeven import PauseInputs
+from kvpilot.policy.meters import DEFAULT_PREFILL_TOKENS_PER_S
 
 if TYPE_CHECKING:
     from kvpilot.engine.engine import Engine
-
-DEFAULT_PREFILL_TOKENS_PER_S = 2_000.0
 
 
 class RadixHolder:

@@ -41,6 +41,10 @@ class RateMeter:
         return self.value if self.value is not None else default
 
 
+# The prefill rate assumed before any is measured (tokens a second).
+DEFAULT_PREFILL_TOKENS_PER_S = 2_000.0
+
+
 class PrefillRateMeter:
     """Prefill tokens/s by context length (buckets), measured from real steps."""
 
