@@ -20,7 +20,7 @@ from kvpilot.engine.branches import fork_branches
 from kvpilot.engine.clock import Clock, WallClock
 from kvpilot.engine.config import EngineConfig, check_honoured
 from kvpilot.engine.executor import Executor, TierTransport, WindowExecutor, window_kv_options
-from kvpilot.engine.idle_skip import IDLE_STEP_S, IdleSkipper
+from kvpilot.engine.idle_skip import IdleSkipper
 from kvpilot.engine.offload import OffloadManager
 from kvpilot.engine.outputs import as_prompt_list, snapshot, stop_reason, stop_rule
 from kvpilot.engine.request import (
@@ -41,10 +41,6 @@ from kvpilot.engine.stats import EngineStats
 from kvpilot.errors import InvalidRequest
 from kvpilot.memory import KVConfig, KVManager, Tier
 from kvpilot.policy.breakeven import PauseDecision
-
-# With nothing to run but copies in flight: the most real time a virtual clock gives copies
-# that run on threads before it moves on (the idle step itself: `IDLE_STEP_S`).
-REAL_COPY_WAIT_S = 0.05
 
 if TYPE_CHECKING:
     from kvpilot.store import DiskBlockStore, SessionStore
@@ -183,28 +179,30 @@ class Engine:
         rid = request_id or f"req-{next(self._request_ids)}"
         if rid in self.requests:
             raise InvalidRequest(f"request id {rid!r} is already in use")
-        hint = pause_hint(expected_tool_wait_s, tool, on_session=session is not None)
+        hint = None
+        if expected_tool_wait_s is not None or tool is not None:
+            hint = pause_hint(expected_tool_wait_s, tool, on_session=session is not None)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(31)
         stop_ids, stop_texts = stop_rule(params, self.eos_token_ids, self.tokenizer)
-        request = Request(
-            request_id=rid,
-            prompt_ids=PromptIds(ids),
-            params=params,
-            arrival_time=self.clock.now(),
-            seed=seed,
-            session_id=session.session_id if session else None,
-            salt=salt,
-            history_tokens=history,
-            pause_hint=hint,
-            stop_ids=stop_ids,
-            stop_texts=stop_texts,
+        request = Request(  # positional: `Request` lists these fields first, in this order
+            rid,
+            PromptIds(ids),
+            params,
+            self.clock.now(),
+            seed,
+            session.session_id if session is not None else None,
+            salt,
+            history,
+            hint,
+            stop_ids,
+            stop_texts,
         )
         if session is not None:
             traj = self.sessions.begin_turn(session, request, ids)
         else:
             traj = self.kv.open_trajectory(salt=salt)
             traj.append_tokens(ids)
-        seq = Sequence(next(self._seq_ids), request, traj, index=0, seed=seed)
+        seq = Sequence(next(self._seq_ids), request, traj, 0, seed)  # branch 0 (positional)
         request.seqs.append(seq)
         self.requests[rid] = request
         self.scheduler.add(seq)
@@ -242,7 +240,7 @@ class Engine:
             self._finish_request_if_done(seq.request)
         if not sched.seqs:
             if self.offload.busy() or self.scheduler.held_back:
-                self._let_copies_run(idle_until)
+                self._idle_skipper.idle_step(idle_until)
             return [self._snapshot(s.request) for s in sched.starved]
         start = self.clock.now()
         result = self.executor.execute(sched.works)
@@ -251,22 +249,6 @@ class Engine:
         if sched.num_prefill_tokens:
             self.offload.observe_step(sched.num_prefill_tokens, now - start, sched.context)
         return self._process(sched, result.tokens, now, snapshots)
-
-    def _let_copies_run(self, idle_until: float | None) -> None:
-        """Nothing to run but copies in flight or held-back hot state: give them a moment.
-
-        On any clock but the wall clock, copies that run on threads (real disk and host
-        copies) are first given real time to finish, so that a virtual clock cannot race
-        past the pause's timers while real work is still in flight. Copies on virtual time
-        that say when they finish let the clock skip the idle steps before the first
-        completion, timer or ``idle_until`` (`kvpilot.engine.idle_skip`)."""
-        if isinstance(self.clock, WallClock):
-            if not self.offload.wait_for_copies(IDLE_STEP_S):
-                self.clock.sleep(IDLE_STEP_S)
-        else:
-            threads = self.offload.wait_for_copies(REAL_COPY_WAIT_S)
-            if threads or idle_until is None or not self._idle_skipper.skip(idle_until):
-                self.clock.sleep(IDLE_STEP_S)
 
     def _process(
         self, sched: SchedulerOutput, sampled: dict[int, list[int]], now: float, snapshots: bool
@@ -281,8 +263,9 @@ class Engine:
         # so its first finishing sequence is its first sampled one: the order of
         # `progressed`). Usually none.
         ended: list[Request] = []
-        # Hot path: every running sequence, every step.
-        for seq, work in zip(sched.seqs, sched.works, strict=True):
+        # Hot path: every running sequence, every step. One work per sequence (the scheduler
+        # appends both together): zip's strict= would be a keyword call per step.
+        for seq, work in zip(sched.seqs, sched.works):  # noqa: B905
             traj = seq.traj
             traj.mark_computed(len(work.token_ids))
             if caching and traj.num_computed_tokens // block > traj.locked_tokens // block:
@@ -359,12 +342,16 @@ class Engine:
         out = seq.output_token_ids
         out.append(token)
         request = seq.request
-        if seq.first_token_time is None:
+        last = seq.last_token_time  # set with the first token (`observe_first_token`)
+        if last is None:
             if seq.index == 0 and request.resumed:
                 self.offload.observe_resume_ttft(now - request.arrival_time)
             self.stats.observe_first_token(seq, now)
-        else:
-            self.stats.observe_token(seq, now)
+        else:  # `EngineStats.observe_token`, inline (every token a step samples)
+            stats = self.stats
+            stats.itl_s.append(now - last)
+            stats.generated_tokens += 1
+            seq.last_token_time = now
         if (
             token not in request.stop_ids
             and not request.stop_texts
@@ -396,7 +383,7 @@ class Engine:
         if not request.finished or request.request_id in self._finished_outputs:
             return
         self.stats.observe_finished(request, self.clock.now())
-        output = snapshot(request, self.tokenizer)  # not filed yet (checked above)
+        output = snapshot(request, self.tokenizer, True)  # not filed yet (checked above)
         self._finished_outputs[request.request_id] = output
         if request.session_id is not None:
             self.sessions.end_turn(request)

@@ -9,15 +9,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 from kvpilot.engine.sampling import SamplingParams
 from kvpilot.memory.hashing import ModelFingerprint
 
 
-@dataclass(slots=True)
-class SeqWork:
-    """One sequence's share of a step (read-only for executors).
+class SeqWork(NamedTuple):
+    """One sequence's share of a step (immutable; ``_replace`` for a variant).
 
     ``token_ids`` are the tokens whose KV this step computes (the scheduler hands a slice of
     the trajectory's int32 ids, an ``array('i')``), at positions
@@ -36,9 +35,9 @@ class SeqWork:
     lists the window group's blocks, parallel to ``block_table``: the sliding-window layers
     read and write those; entries wholly outside the window are the null block 0.
 
-    NOTE: not ``frozen``: one is built per running sequence per step, and a frozen
-    dataclass's ``__init__`` costs several times a plain one's (``object.__setattr__`` per
-    field). Executors treat it as immutable (`dataclasses.replace` for a variant).
+    A named tuple: one is built per running sequence per step (the scheduler calls
+    ``tuple.__new__(SeqWork, fields)`` itself, skipping the generated ``__new__``), and
+    executors read its fields through C getters; both cost less than a dataclass's.
     """
 
     seq_id: int
@@ -56,7 +55,8 @@ class SeqWork:
 class StepOutput:
     """Sampled tokens per seq_id (only for works that asked to sample).
 
-    Not ``frozen`` for the reason `SeqWork` is not: one is built per step; read-only."""
+    Not ``frozen``: a frozen dataclass's ``__init__`` costs several times a plain one's
+    (``object.__setattr__`` per field), and one is built per step; read-only."""
 
     tokens: dict[int, list[int]]
 

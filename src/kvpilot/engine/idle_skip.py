@@ -28,6 +28,7 @@ import math
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Protocol
 
+from kvpilot.engine.clock import WallClock
 from kvpilot.engine.executor import Transfer
 from kvpilot.memory.tiers import DEVICE
 
@@ -45,6 +46,9 @@ IDLE_STEP_S = 0.0005
 WAKE_MARGIN_S = 1e-9
 # At most this many idle steps are skipped at once (the grid is walked by additions).
 MAX_SKIPPED_STEPS = 1 << 20
+# With nothing to run but copies in flight: the most real time a virtual clock gives copies
+# that run on threads before it moves on (the idle step itself: `IDLE_STEP_S`).
+REAL_COPY_WAIT_S = 0.05
 
 
 class TimedTransfer(Transfer, Protocol):
@@ -119,6 +123,24 @@ class IdleSkipper:
         # The clock time the next idle step starts at if nothing else moves the clock, and
         # the state this one left.
         self._last: tuple[float, tuple[object, ...]] | None = None
+
+    def idle_step(self, idle_until: float | None) -> None:
+        """Nothing to run but copies in flight or held-back hot state: give them a moment.
+
+        On any clock but the wall clock, copies that run on threads (real disk and host
+        copies) are first given real time to finish, so that a virtual clock cannot race
+        past the pause's timers while real work is still in flight. Copies on virtual time
+        that say when they finish let the clock skip the idle steps before the first
+        completion, timer or ``idle_until`` (`skip`)."""
+        engine = self.engine
+        clock, offload = engine.clock, engine.offload
+        if isinstance(clock, WallClock):
+            if not offload.wait_for_copies(IDLE_STEP_S):
+                clock.sleep(IDLE_STEP_S)
+        else:
+            threads = offload.wait_for_copies(REAL_COPY_WAIT_S)
+            if threads or idle_until is None or not self.skip(idle_until):
+                clock.sleep(IDLE_STEP_S)
 
     def skip(self, until: float) -> int:
         """Advance the clock over the idle steps before `wake_at` (at least one step, as the

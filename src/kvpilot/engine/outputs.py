@@ -9,6 +9,9 @@ from kvpilot.engine.request import CompletionOutput, Request, RequestOutput, Seq
 from kvpilot.engine.sampling import SamplingParams
 
 _NO_IDS: frozenset[int] = frozenset()
+# `RequestOutput(...)` without the named tuple's generated ``__new__`` (a Python function
+# that calls just this): a snapshot is built of every request that finishes.
+_new_tuple = tuple.__new__
 
 
 def decode(tokenizer: Any, token_ids: Seq[int]) -> str:
@@ -28,7 +31,9 @@ def seq_text(tokenizer: Any, seq: Sequence) -> str:
     return seq.output_text
 
 
-def snapshot(request: Request, tokenizer: Any) -> RequestOutput:
+def snapshot(request: Request, tokenizer: Any, finished: bool | None = None) -> RequestOutput:
+    """What ``request`` has produced so far (``finished``: `Request.finished`, when the
+    caller has just read it)."""
     seqs = request.seqs
     if len(seqs) == 1:  # the common case (n = 1), without sorting and gathering
         s = seqs[0]
@@ -50,20 +55,24 @@ def snapshot(request: Request, tokenizer: Any) -> RequestOutput:
         finishes = [s.finish_time for s in seqs if s.finish_time is not None]
         first = min(firsts) if firsts else None
         done = max(finishes) if finishes else None
-    finished = request.finished
+    if finished is None:
+        finished = request.finished
     prompt = request.prompt_ids
-    return RequestOutput(
-        request.request_id,
-        prompt,  # the request's own: its ids become ints only if someone reads them
-        request.history_tokens + len(prompt),
-        request.cached_tokens,
-        dict(request.cached_by_tier),
-        outputs,
-        finished,
-        request.arrival_time,
-        first,
-        done if finished else None,
-        request.session_id,
+    return _new_tuple(  # RequestOutput(...), its fields in order (see `_new_tuple`)
+        RequestOutput,
+        (
+            request.request_id,
+            prompt,  # the request's own: its ids become ints only if someone reads them
+            request.history_tokens + len(prompt),
+            request.cached_tokens,
+            dict(request.cached_by_tier),
+            outputs,
+            finished,
+            request.arrival_time,
+            first,
+            done if finished else None,
+            request.session_id,
+        ),
     )
 
 

@@ -108,6 +108,8 @@ class Sequence:
         return self.status is FINISHED
 
 
+# The fields a new request is given come first, in the order `Engine.add_request` passes them
+# (positionally: keyword arguments to a dataclass's __init__ cost ~6k instructions a request).
 @dataclass(eq=False, slots=True)
 class Request:
     request_id: str
@@ -118,18 +120,18 @@ class Request:
     session_id: str | None = None
     salt: str | None = None
     history_tokens: int = 0  # session tokens before this turn's prompt
+    pause_hint: PauseHint | None = None  # pause when the turn ends
+    # When a branch stops, worked out once per request (`kvpilot.engine.outputs.stop_rule`):
+    # the token ids that end it, and the stop strings it looks for in its text.
+    stop_ids: frozenset[int] = frozenset()
+    stop_texts: tuple[str, ...] = ()
     cached_tokens: int = 0  # prefix hit at admission (tokens whose KV was reused)
     seqs: list[Sequence] = field(default_factory=list)
     forked: bool = False  # n > 1 branches created
     aborted: bool = False
     resumed: bool = False  # a paused session's next turn
-    pause_hint: PauseHint | None = None  # pause when the turn ends
     cached_by_tier: dict[Tier, int] = field(default_factory=_NO_HITS.copy)
     released: bool = False  # finished and filed: its sequences are let go (`release`)
-    # When a branch stops, worked out once per request (`kvpilot.engine.outputs.stop_rule`):
-    # the token ids that end it, and the stop strings it looks for in its text.
-    stop_ids: frozenset[int] = frozenset()
-    stop_texts: tuple[str, ...] = ()
 
     @property
     def prompt_token_ids(self) -> tuple[int, ...]:
@@ -270,6 +272,13 @@ class RequestLimits:
     vocab_size: int | None
     kv_blocks: int
     block_size: int
+    # Every valid id read as uint32 is below this (`_check_vocabulary`), worked out once.
+    id_bound: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        limit = self.vocab_size
+        bound = 1 << 31 if limit is None or limit > 1 << 31 else limit
+        object.__setattr__(self, "id_bound", bound)
 
     def check_prompt(self, tokens: list[int], history: int = 0) -> array:
         """``tokens`` as the int32 ids a trajectory holds; InvalidRequest (PromptTooLong)
@@ -318,8 +327,7 @@ class RequestLimits:
             # The largest is found by argmax, a direct C method (a third of the fixed cost
             # of a ufunc reduction such as max, which a prompt of a few hundred ids pays).
             view = np.frombuffer(ids, _UINT32)
-            top = 1 << 31 if limit is None else min(limit, 1 << 31)
-            fits = view.item(view.argmax()) < top
+            fits = view.item(view.argmax()) < self.id_bound
         if not fits:
             bad = [t for t in tokens if t < 0 or (limit is not None and t >= limit)]
             if not bad:

@@ -30,10 +30,15 @@ from dataclasses import dataclass
 from kvpilot.engine.config import SchedulerConfig
 from kvpilot.engine.executor import SeqWork
 from kvpilot.engine.request import RUNNING, WAITING, SeqStatus, Sequence
+from kvpilot.engine.scheduler_output import SchedulerOutput
 from kvpilot.errors import OutOfBlocks
 from kvpilot.memory import KVManager, Trajectory
 from kvpilot.memory.residency import LOADING, READY, Residency
 from kvpilot.memory.tiers import DEVICE
+
+# `SeqWork(...)` and `SchedulerOutput(...)` without the named tuples' generated ``__new__``
+# (a Python function that calls just this): a work is built per running sequence per step.
+_new_tuple = tuple.__new__
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,44 +71,6 @@ class AdmissionHooks:
     defer_admission: Callable[[Sequence], bool] | None = None
     window_room: Callable[[Sequence, list[Sequence]], bool] | None = None
     copies_in_flight: Callable[[], bool] | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class ScheduledSeq:
-    """A running sequence's share of a step, as `SchedulerOutput.scheduled` lists them."""
-
-    seq: Sequence
-    num_tokens: int
-    sample: bool
-
-
-@dataclass(slots=True)
-class SchedulerOutput:
-    """One step's batch (not frozen, like `SeqWork`: one is built per step; read-only).
-
-    ``seqs[i]`` runs ``works[i]``: its token count is ``len(works[i].token_ids)`` and it
-    samples when ``works[i].sampling`` is set (nothing else is built per sequence)."""
-
-    seqs: list[Sequence]
-    works: list[SeqWork]
-    preempted: list[Sequence]
-    starved: list[Sequence]  # cannot grow even alone in the pool: the engine ends them
-    num_batched_tokens: int
-    num_prefill_tokens: int
-    num_decode_tokens: int
-    context: int = 0  # the longest context a work reaches: max(start_pos + len(token_ids))
-
-    @property
-    def empty(self) -> bool:
-        return not self.seqs and not self.starved
-
-    @property
-    def scheduled(self) -> list[ScheduledSeq]:
-        """Each sequence with its share (built on demand: the step loop reads the works)."""
-        return [
-            ScheduledSeq(seq, len(w.token_ids), w.sampling is not None)
-            for seq, w in zip(self.seqs, self.works, strict=True)
-        ]
 
 
 class Scheduler:
@@ -174,8 +141,9 @@ class Scheduler:
 
     def memory_pressure(self) -> float:
         """Shadow price of device memory: 1 while work waits, else usage against tau_high."""
-        if any(s.prefix_reused for s in self.waiting):
-            return 1.0
+        for seq in self.waiting:  # any(...) would set up a generator per pause
+            if seq.prefix_reused:
+                return 1.0
         return min(1.0, self.held_usage() / self.config.tau_high)
 
     # -- one step ---------------------------------------------------------------------
@@ -217,16 +185,19 @@ class Scheduler:
             params = req.params
             window = traj.window
             works.append(
-                SeqWork(
-                    seq.seq_id,
-                    traj.tokens[computed : computed + n],  # int32: a slice is a memcpy
-                    computed,
-                    traj.block_table,
-                    params if n == remaining else None,
-                    len(seq.output_token_ids),
-                    seq.seed,
-                    params.n if (params.n > 1 and not req.forked) else 1,
-                    None if window is None else window.blocks,
+                _new_tuple(  # a SeqWork of its fields in order (`_new_tuple`)
+                    SeqWork,
+                    (
+                        seq.seq_id,
+                        traj.tokens[computed : computed + n],  # int32: a slice is a memcpy
+                        computed,
+                        traj.block_table,
+                        params if n == remaining else None,
+                        len(seq.output_token_ids),
+                        seq.seed,
+                        params.n if (params.n > 1 and not req.forked) else 1,
+                        None if window is None else window.blocks,
+                    ),
                 )
             )
             if n > 1 or n != remaining:
@@ -241,8 +212,9 @@ class Scheduler:
             self.held_back = set()  # nothing was held back this step
 
         total = cfg.max_num_batched_tokens - budget
-        return SchedulerOutput(
-            seqs, works, preempted, starved, total, prefill, total - prefill, context
+        return _new_tuple(
+            SchedulerOutput,
+            (seqs, works, preempted, starved, total, prefill, total - prefill, context),
         )
 
     def _admit(
@@ -290,7 +262,8 @@ class Scheduler:
             works.append(self._work(seq, n, sample))
             if n > 1 or not sample:
                 prefill += n
-            context = max(context, traj.num_computed_tokens + n)
+            if traj.num_computed_tokens + n > context:
+                context = traj.num_computed_tokens + n
             budget -= n
         return budget, prefill, context
 
@@ -319,9 +292,16 @@ class Scheduler:
 
     def _chunk_of(self, remaining: int, budget: int) -> int:
         """Tokens to compute this step of ``remaining`` within ``budget``."""
-        if not self.config.chunked_prefill:
+        cfg = self.config
+        if not cfg.chunked_prefill:
             return remaining
-        return max(1, min(remaining, self.config.max_prefill_chunk, budget))
+        # max(1, min(remaining, chunk, budget)) as comparisons: the builtins parse their
+        # arguments as keywords (~1.8k instructions a call), once per prefill chunk.
+        chunk = cfg.max_prefill_chunk
+        n = remaining if remaining < chunk else chunk
+        if budget < n:
+            n = budget
+        return n if n > 1 else 1
 
     def _try_allocate(self, seq: Sequence, n: int) -> bool:
         """Allocate blocks for n more tokens; idle sessions, then waiting work, give way first."""
@@ -385,16 +365,19 @@ class Scheduler:
         req = seq.request
         params = req.params
         window = traj.window
-        return SeqWork(
-            seq.seq_id,
-            traj.tokens[start : start + num_tokens],  # int32: a slice is a memcpy
-            start,
-            traj.block_table,  # not copied: executors read it during the call only
-            params if sample else None,
-            len(seq.output_token_ids),
-            seq.seed,
-            params.n if (params.n > 1 and not req.forked) else 1,
-            None if window is None else window.blocks,
+        return _new_tuple(
+            SeqWork,
+            (
+                seq.seq_id,
+                traj.tokens[start : start + num_tokens],  # int32: a slice is a memcpy
+                start,
+                traj.block_table,  # not copied: executors read it during the call only
+                params if sample else None,
+                len(seq.output_token_ids),
+                seq.seed,
+                params.n if (params.n > 1 and not req.forked) else 1,
+                None if window is None else window.blocks,
+            ),
         )
 
     def check_invariants(self) -> None:

@@ -25,6 +25,8 @@ class EngineStats:
     fork_copied_blocks: int = 0
     step_time_s: float = 0.0
     ttft_s: list[float] = field(default_factory=list)
+    # A token after a sequence's first adds its inter-token latency here and counts in
+    # generated_tokens where it is appended (`Engine._append_token`, decode runs' `_apply`).
     itl_s: list[float] = field(default_factory=list)
     e2e_s: list[float] = field(default_factory=list)
 
@@ -43,12 +45,6 @@ class EngineStats:
         seq.first_token_time = seq.last_token_time = now
         if seq.index == 0:
             self.ttft_s.append(now - seq.request.arrival_time)
-        self.generated_tokens += 1
-
-    def observe_token(self, seq: Sequence, now: float) -> None:
-        """``seq`` produced a token after its first at ``now`` (an inter-token latency)."""
-        self.itl_s.append(now - (seq.last_token_time or now))
-        seq.last_token_time = now
         self.generated_tokens += 1
 
     def observe_finished(self, request: Request, now: float) -> None:

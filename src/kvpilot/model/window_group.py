@@ -15,7 +15,7 @@ the window group's slots), and each layer attends over its own group's pool and 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -122,7 +122,7 @@ class WindowGroup:
                 raise InvalidRequest(
                     f"seq {work.seq_id}: a hybrid model's work needs a window table"
                 )
-            windowed.append(replace(work, block_table=work.window_table))
+            windowed.append(work._replace(block_table=work.window_table))
         return StepBatch.build(
             windowed,
             block_size=full.block_size,
