@@ -47,11 +47,12 @@ ids = st.one_of(
 )
 
 
-@given(st.lists(ids, min_size=1, max_size=40), st.sampled_from([None, 500, INT32]))
+@given(st.lists(ids, min_size=1, max_size=40), st.sampled_from([None, 500, INT32, 2 * INT32]))
 @example([3, 500], 500)  # the vocabulary's edge: refused
 @example([499, 0], 500)  # and just inside it
 @example([7, -1], None)  # negative, without a vocabulary: refused
 @example([INT32 - 1], INT32)  # the largest int32 id, in a vocabulary of 2**31
+@example([7, -1], 2 * INT32)  # a vocabulary past int32: its ids are still int32
 def test_check_prompt_matches_checking_each_id(tokens: list[int], vocab: int | None) -> None:
     limits = RequestLimits(max_model_len=30, vocab_size=vocab, kv_blocks=64, block_size=4)
     assert checked(limits, tokens) == checked_id_by_id(limits, tokens)

@@ -175,7 +175,8 @@ def admission_hooks(
     guard = HotStateGuard(kv, offload, sessions.idle, clock, max_defer_s)
 
     def on_admit(seq: Sequence) -> None:
-        guard.admitted(seq)
+        if guard.deferred_since:  # most admissions were never held back
+            guard.admitted(seq)
         offload.on_admit(seq)
 
     hooks = AdmissionHooks(

@@ -71,7 +71,7 @@ def next_completion(transfers: Iterable[Transfer]) -> float | None:
 
 
 class IdleEngine(Protocol):
-    """What idle skipping reads of `kvpilot.engine.engine.Engine` (a protocol, so that this
+    """What idle skipping reads of `kvpilot.engine.core.EngineCore` (a protocol, so that this
     module need not import the engine that imports it)."""
 
     scheduler: Scheduler

@@ -140,9 +140,12 @@ class Request:
 
     def set_cached_by_tier(self, host_tokens: int, disk_tokens: int) -> None:
         """Split the prefix hit by the tier it came from (loads of host and disk blocks)."""
-        host = min(host_tokens, self.cached_tokens)
-        disk = min(disk_tokens, self.cached_tokens - host)
-        self.cached_by_tier = {DEVICE: self.cached_tokens - host - disk, HOST: host, DISK: disk}
+        # min(host_tokens, cached) and min(disk_tokens, cached - host) as comparisons: the
+        # builtins parse their arguments as keywords (~1.8k instructions a call), per request.
+        cached = self.cached_tokens
+        host = host_tokens if host_tokens < cached else cached
+        disk = disk_tokens if disk_tokens < cached - host else cached - host
+        self.cached_by_tier = {DEVICE: cached - host - disk, HOST: host, DISK: disk}
 
     def release(self) -> None:
         """The engine has filed this finished request's output: let its sequences go. They
