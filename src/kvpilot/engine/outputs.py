@@ -37,10 +37,10 @@ def snapshot(request: Request, tokenizer: Any, finished: bool | None = None) -> 
     seqs = request.seqs
     if len(seqs) == 1:  # the common case (n = 1), without sorting and gathering
         s = seqs[0]
+        # Without a tokenizer there is no text, nor stop strings to cut it (`stop_rule`).
+        text = "" if tokenizer is None else seq_text(tokenizer, s)
         outputs: tuple[CompletionOutput, ...] = (
-            CompletionOutput(
-                s.index, seq_text(tokenizer, s), tuple(s.output_token_ids), s.finish_reason
-            ),
+            CompletionOutput(s.index, text, tuple(s.output_token_ids), s.finish_reason),
         )
         first = s.first_token_time
         done = s.finish_time
@@ -63,7 +63,7 @@ def snapshot(request: Request, tokenizer: Any, finished: bool | None = None) -> 
         (
             request.request_id,
             prompt,  # the request's own: its ids become ints only if someone reads them
-            request.history_tokens + len(prompt),
+            request.history_tokens + len(prompt.ids),  # the ids' len: no Python __len__
             request.cached_tokens,
             dict(request.cached_by_tier),
             outputs,

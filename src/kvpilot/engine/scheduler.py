@@ -113,7 +113,9 @@ class Scheduler:
         traj = seq.traj
         tokens = traj.token_array()  # peek at all but the last token: length=, not a sliced copy
         peek = self.kv.radix.peek(tokens, traj.salt, below=traj.locked_node, length=len(tokens) - 1)
-        resident = max(len(traj.block_table), peek.blocks_by_tier.get(DEVICE, 0))
+        resident = peek.blocks_by_tier.get(DEVICE, 0)  # at least the blocks it holds:
+        if resident < len(traj.block_table):  # max() as a comparison (a keyword-parsing call)
+            resident = len(traj.block_table)
         self.resident_at_add[seq.seq_id] = resident
         at = len(waiting)
         while at > 0 and self.resident_at_add.get(waiting[at - 1].seq_id, resident) < resident:
@@ -144,7 +146,8 @@ class Scheduler:
         for seq in self.waiting:  # any(...) would set up a generator per pause
             if seq.prefix_reused:
                 return 1.0
-        return min(1.0, self.held_usage() / self.config.tau_high)
+        ratio = self.held_usage() / self.config.tau_high
+        return ratio if ratio < 1.0 else 1.0  # min(1.0, ratio), per pause, without the call
 
     # -- one step ---------------------------------------------------------------------
 

@@ -49,7 +49,7 @@ class EngineStats:
 
     def observe_finished(self, request: Request, now: float) -> None:
         self.requests_finished += 1
-        self.prompt_tokens += request.history_tokens + len(request.prompt_ids)
+        self.prompt_tokens += request.history_tokens + len(request.prompt_ids.ids)
         self.cached_tokens += request.cached_tokens
         self.e2e_s.append(now - request.arrival_time)
 
