@@ -89,12 +89,12 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "radix_node.py:is_root",
         ),
     ),
-    ("engine: _snapshot (per progressed request)", ("engine.py:_snapshot", "engine.py:<genexpr>")),
+    ("engine: _snapshot (per progressed request)", ("core.py:_snapshot", "engine.py:<genexpr>")),
     ("engine: Request.finished", ("request.py:finished", "request.py:<genexpr>")),
     (
         "engine: add_request / encode",
         (
-            "engine.py:add_request",
+            "core.py:add_request",
             "engine.py:encode",
             "request.py:prompt_ids",
             "request.py:int32_prompt",
@@ -105,7 +105,7 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     (
         "engine: _append_token / stop check",
         (
-            "engine.py:_append_token",
+            "core.py:_append_token",
             "engine.py:_stop_reason",
             "engine.py:_text",
             "trajectory.py:append_tokens",
@@ -119,7 +119,7 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
         "memory: trajectory / radix / pool",
         ("trajectory.py", "radix.py", "radix_node.py", "block_pool.py", "manager.py", "hashing.py"),
     ),
-    ("engine: rest of step/_process", ("engine.py", "session.py", "request.py")),
+    ("engine: rest of step/_process", ("core.py", "engine.py", "session.py", "request.py")),
     ("sim: SimulatedRunner.execute", ("runner.py", "cost_model.py")),
     (
         "sim: event loop, drivers, workload",

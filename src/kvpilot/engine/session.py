@@ -251,7 +251,8 @@ class SessionTable(Mapping[str, Session]):
 
     def check_turn(self, session: Session, params: SamplingParams) -> None:
         """May ``session`` start a turn with ``params``? (Nothing changes if not.)"""
-        self._check_open(session)
+        if session.closed:  # `_check_open`'s test, without its call (once per turn)
+            self._check_open(session)
         if session.active_request is not None:
             raise SessionBusy(
                 f"session {session.session_id} is running turn {session.active_request}"
