@@ -165,12 +165,12 @@ class LoadGauges(NamedTuple):
 def load_gauges(kv: KVManager, scheduler: Scheduler) -> LoadGauges:
     """`LoadGauges` now, without the rest of a snapshot's cost (every figure is kept as it
     changes: the resident trajectories by the memory core, `KVManager.resident_trajectories`)."""
-    return LoadGauges(
-        kv_usage=kv.device.usage,
-        kv_held=scheduler.held_usage(),
-        running=len(scheduler.running),
-        waiting=len(scheduler.waiting),
-        resident_trajectories=kv.resident_trajectories,
+    return LoadGauges(  # positional (a keyword call per sample costs twice as much)
+        kv.device.usage,
+        scheduler.held_usage(),
+        len(scheduler.running),
+        len(scheduler.waiting),
+        kv.resident_trajectories,
     )
 
 
