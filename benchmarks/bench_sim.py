@@ -36,7 +36,6 @@ import sys
 import time
 from pathlib import Path
 
-from kvpilot.engine.engine import Engine
 from kvpilot.sim.build import SimSetup, build_engine, run_simulation
 from kvpilot.sim.drivers import AgentDriver
 from kvpilot.sim.report import SimResult
@@ -82,14 +81,13 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "meters.py",
             "pause.py",
             "breakeven.py",
-            "engine.py:_idle_sessions",
-            "engine.py:idle-listcomp",
+            "reclaim.py",
             "trajectory.py:num_private_blocks",
             "radix_node.py:num_blocks",
             "radix_node.py:is_root",
         ),
     ),
-    ("engine: _snapshot (per progressed request)", ("core.py:_snapshot", "engine.py:<genexpr>")),
+    ("engine: _snapshot (per progressed request)", ("core.py:_snapshot", "outputs.py:snapshot")),
     ("engine: Request.finished", ("request.py:finished", "request.py:<genexpr>")),
     (
         "engine: add_request / encode",
@@ -99,15 +97,15 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "request.py:prompt_ids",
             "request.py:int32_prompt",
             "request.py:_check_vocabulary",
-            "engine.py:<listcomp>",
+            "core.py:<listcomp>",
         ),
     ),
     (
         "engine: _append_token / stop check",
         (
             "core.py:_append_token",
-            "engine.py:_stop_reason",
-            "engine.py:_text",
+            "outputs.py:stop_reason",
+            "outputs.py:seq_text",
             "trajectory.py:append_tokens",
             "trajectory.py:_sync",
             "radix.py:as_token_array",
@@ -263,12 +261,8 @@ def profile_breakdown(minutes: float) -> dict[str, float]:
     totals["other (numpy, builtins, gc)"] = 0.0
     entries = stats.stats  # type: ignore[attr-defined]
     grand = 0.0
-    idle = getattr(Engine, "_idle_sessions", None)
-    idle_line = idle.__code__.co_firstlineno if idle is not None else -10
     for (filename, _line, func), (_cc, _nc, tottime, _ct, _callers) in entries.items():
         key = f"{Path(filename).name}:{func}"
-        if key == "engine.py:<listcomp>" and 0 <= _line - idle_line <= 3:
-            key = "engine.py:idle-listcomp"  # the list of idle sessions, built every step
         grand += tottime
         for label, parts in GROUPS:
             if any(p in key for p in parts):
