@@ -252,9 +252,10 @@ class RooflineCostModel:
         new = shape.prefill_tokens + shape.decode_seqs
         compute = self._s_per_token * new + self._s_per_pair * shape.attention_pairs
         memory = self._weights_s + self._s_per_kv_token * (shape.kv_read_tokens + new)
-        for i, s_pair in enumerate(self._s_per_window_pair):
-            compute += s_pair * shape.window_pairs[i]
-            memory += self._s_per_window_kv[i] * (shape.window_kv_read[i] + new)
+        if self._windows:  # no enumerate built per step for a model without windows
+            for i, s_pair in enumerate(self._s_per_window_pair):
+                compute += s_pair * shape.window_pairs[i]
+                memory += self._s_per_window_kv[i] * (shape.window_kv_read[i] + new)
         return (compute if compute > memory else memory) + self.step_overhead_s
 
     def decode_run_s(self, positions: Sequence[int]) -> Iterator[float]:

@@ -39,6 +39,10 @@ def _step_offsets(steps: int) -> np.ndarray:
 
 _STEP_OFFSETS = _step_offsets(4096)
 
+# ``_new_shape(BatchShape, fields)`` is ``BatchShape(*fields)`` with every field given: the
+# named tuple's ``__new__`` is Python code that calls exactly ``tuple.__new__(cls, fields)``.
+_new_shape = tuple.__new__
+
 
 class SimulatedRunner:
     """Implements `kvpilot.engine.executor.Executor` with a cost model and a virtual clock,
@@ -134,10 +138,10 @@ class SimulatedRunner:
                     if count == 1
                     else [1 + (base + j * _DRAW_MUL) % vocab for j in range(count)]
                 )
-        if self._plain_shape:
-            shape = BatchShape(len(works), prefill, decode, kv_read, pairs)
-        else:
-            shape = self._full_shape(works, BatchShape(len(works), prefill, decode, kv_read, pairs))
+        # BatchShape(len(works), prefill, decode, kv_read, pairs), its defaults spelt out
+        shape = _new_shape(BatchShape, (len(works), prefill, decode, kv_read, pairs, (), (), 0))
+        if not self._plain_shape:
+            shape = self._full_shape(works, shape)
         dt = self.cost.step_time_s(shape)
         self.clock.advance(dt)
         self.busy_s += dt
