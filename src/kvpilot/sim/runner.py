@@ -91,8 +91,6 @@ class SimulatedRunner:
         self._run_shared: tuple[Sequence[int], int] = ((), 0)
         self._high_water: dict[int, int] = {}
         self._streams: dict[int, TokenStream] = {}  # by seed: its draws made ahead
-        self._vocab_draws = np.uint32(vocab_size - 1)
-        self._one_draw = np.uint32(1)
 
     @property
     def last_shape(self) -> BatchShape:
@@ -242,12 +240,13 @@ class SimulatedRunner:
         """`decode_run_tokens` as int32 ids (vectorised when it pays)."""
         if steps < _VECTOR_MIN_TOKENS:
             return array("i", self.decode_run_tokens(seed, first_step, steps))
-        start = np.uint32((seed * _SEED_MUL + first_step * _STEP_MUL) & _MASK)
+        start = (seed * _SEED_MUL + first_step * _STEP_MUL) & _MASK  # fits uint32
         offsets = _STEP_OFFSETS[:steps] if steps <= len(_STEP_OFFSETS) else _step_offsets(steps)
+        # Python ints that fit the array's uint32 keep it uint32 (no scalar objects made):
         draws = offsets + start  # uint32 wraps: the masked sums, mod 2**32
-        np.remainder(draws, self._vocab_draws, out=draws)
-        draws += self._one_draw
-        return array("i", draws.view(np.int32).tobytes())  # all below 2**31
+        draws %= self.vocab_size - 1
+        draws += 1
+        return array("i", draws.tobytes())  # all below 2**31: the same bytes as int32
 
     def record_decode_run(
         self, seq_ids: Sequence[int], positions: Sequence[int], durations: Sequence[float]
