@@ -410,6 +410,9 @@ class _RecordingSim:
     def at(self, t: float, fn: Callable[[], None]) -> None:
         self.events.append((t, fn))
 
+    def after(self, delay_s: float, fn: Callable[[], None]) -> None:
+        self.events.append((delay_s, fn))  # the driver binds it; no turn here finishes
+
     def submit(self, prompt: Sequence[int], max_tokens: int, on_done: object, **kw: object) -> str:
         self.prompts.append(list(prompt))
         return f"r{len(self.prompts)}"

@@ -21,7 +21,8 @@ import functools
 import itertools
 from array import array
 from collections import deque
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from kvpilot.engine.request import RequestOutput
 from kvpilot.engine.session import Session
@@ -45,6 +46,9 @@ class _Actor:
     turn: int = 0
     calls: int = 0
     branches_left: int = 0
+    # The driver's callbacks bound to this actor once (`AgentDriver._actor`), not per turn:
+    done: Callable[[RequestOutput], None] = field(init=False)  # its turn finished
+    next_call: Callable[[], None] = field(init=False)  # its tool wait is over
 
 
 # Trajectories an `AgentDriver` draws and hashes at a time: hashing ids in batches of 8 costs
@@ -88,6 +92,9 @@ class AgentDriver:
 
     def start(self, sim: Simulator) -> None:
         self._sim = sim
+        # What each turn calls on the simulator, bound once (not through `sim` per turn).
+        self._submit = sim.submit
+        self._after = sim.after
         self.arrivals.start(sim)
 
     def _begin(self) -> None:
@@ -95,7 +102,7 @@ class AgentDriver:
             self._prepare()
         spec, ids = self._ready.popleft()
         session = self.sim.engine.open_session()
-        actor = _Actor(next(self._uids), spec, ids, spec.turns, session)
+        actor = self._actor(spec, ids, spec.turns, session, None)
         self.started += 1
         prompt = self.generator.first_prompt_ids(spec, ids)
         if self._unstable:
@@ -111,6 +118,20 @@ class AgentDriver:
         specs = [self.generator.trajectory(i) for i in range(first, first + PREPARED)]
         self._ready.extend(zip(specs, self.generator.trajectory_ids_many(specs), strict=True))
 
+    def _actor(
+        self,
+        spec: TrajectorySpec,
+        ids: TrajectoryIds,
+        turns: tuple[TurnSpec, ...],
+        session: Session,
+        parent: _Actor | None,
+    ) -> _Actor:
+        actor = _Actor(next(self._uids), spec, ids, turns, session, parent)
+        # Partials call on without a frame of their own; made once per actor, not per turn.
+        actor.done = functools.partial(self._done, actor)
+        actor.next_call = functools.partial(self._next_call, actor)
+        return actor
+
     def _volatile(self, actor: _Actor) -> int:
         return self.generator.volatile_token(actor.uid, actor.calls)
 
@@ -118,10 +139,10 @@ class AgentDriver:
         turn = actor.turns[actor.turn]
         actor.calls += 1
         self.calls += 1
-        rid = self.sim.submit(
+        rid = self._submit(
             prompt,
             turn.output_tokens,
-            functools.partial(self._done, actor),  # a partial calls on without a frame of its own
+            actor.done,
             session=actor.session,
             pause=pause_hint(self.config.pause_hints, actor.turns, actor.turn, self._tool_median),
         )
@@ -149,9 +170,7 @@ class AgentDriver:
             self.forks += 1
             actor.branches_left = len(children)
             for child_session, turns in zip(children, fork.branches, strict=True):
-                child = _Actor(
-                    next(self._uids), actor.spec, actor.ids, turns, child_session, parent=actor
-                )
+                child = self._actor(actor.spec, actor.ids, turns, child_session, actor)
                 child.turn = -1
                 self._advance(child)
             return
@@ -167,10 +186,14 @@ class AgentDriver:
             self.truncated += 1
             self._end(actor)
             return
-        self.sim.after(turn.wait_before_s, functools.partial(self._next_call, actor))
+        self._after(turn.wait_before_s, actor.next_call)
 
     def _end(self, actor: _Actor) -> None:
         actor.session.close()
+        # Nothing calls the actor back any more: dropping its callbacks breaks the cycles
+        # they make with it, so that reference counting frees it (the run makes no garbage
+        # for the cyclic collector, `kvpilot.sim.collector`).
+        del actor.done, actor.next_call
         parent = actor.parent
         if parent is not None:
             parent.branches_left -= 1
