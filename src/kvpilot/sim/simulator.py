@@ -47,6 +47,7 @@ from kvpilot.sim.collector import fewer_collections
 from kvpilot.sim.telemetry import Samples, Telemetry, TurnLog
 
 OnDone = Callable[[RequestOutput], None]
+_NAN = math.nan
 
 
 class Driver(Protocol):
@@ -144,8 +145,9 @@ class Simulator:
         except InvalidRequest:
             self.rejected += 1
             return None
-        if arrival_s is None:
-            arrival_s = self.now if self._event_time is None else self._event_time
+        if arrival_s is None:  # `now`, inline
+            t = self._event_time
+            arrival_s = self.clock.now() - self.t0 if t is None else t
         self._pending[rid] = (on_done, arrival_s)
         return rid
 
@@ -291,7 +293,7 @@ class Simulator:
         t0 = self.t0
         log.arrival_s.append(arrival_s)
         first = out.first_token_time
-        log.first_token_s.append(float("nan") if first is None else first - t0)
+        log.first_token_s.append(_NAN if first is None else first - t0)
         log.finish_s.append(self.clock.now() - t0)
         log.prompt_tokens.append(out.prompt_tokens)
         log.cached_tokens.append(out.cached_tokens)

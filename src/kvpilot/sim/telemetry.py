@@ -120,7 +120,7 @@ class Telemetry:
         itls += itl_s
         itl_s.clear()
         self._itl_ends.append(len(itls))
-        self._turn_ends.append(len(self.turns))
+        self._turn_ends.append(len(self.turns.finish_s))  # len(turns), without its call
         if len(itls) >= self.flush_itls:
             self.flush()
 
