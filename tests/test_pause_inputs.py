@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from kvpilot.engine.reclaim import reclaim
 from kvpilot.memory import Tier
 from kvpilot.policy.breakeven import PauseAction
 
@@ -69,7 +70,7 @@ def test_reclaim_takes_an_overdue_wait_as_a_long_one(tmp_path: Path) -> None:
     quick.pause(expected_wait_s=1.0)
     slow.pause(expected_wait_s=10.0)
     engine.clock.advance(8.0)  # quick is 7 s overdue: expect 8 s more, past slow's return
-    assert engine.offload.reclaim([quick, slow]) == 1
+    assert reclaim(engine.offload, [quick, slow]) == 1
     record = quick.last_pause
     assert record is not None and record.state == "offloaded"  # demoted to host, awaited
     assert record.action is PauseAction.OFFLOAD_HOST
@@ -87,7 +88,7 @@ def test_state_demoted_to_host_is_held_there_not_room(tmp_path: Path) -> None:
     a, b = engine.open_session(), engine.open_session()
     a.generate(FIRST, PARAMS)
     a.pause(expected_wait_s=50.0)
-    assert engine.offload.reclaim([a]) == 1
+    assert reclaim(engine.offload, [a]) == 1
     assert a.last_pause is not None and a.last_pause.state == "offloaded"
     held = a.last_pause.inputs.kv_bytes
     b.generate(SECOND, PARAMS)

@@ -11,6 +11,7 @@ import pytest
 from test_pause_pricing import record
 
 from kvpilot.engine.pause_pricing import demoted_to, disk_demotion_reload_s, reload_of
+from kvpilot.engine.reclaim import reclaim
 from kvpilot.engine.tier_stats import PauseState
 from kvpilot.policy.breakeven import PauseAction
 
@@ -55,7 +56,7 @@ def test_reclaim_demotes_to_disk_when_the_host_has_no_room_and_prefetches_it_bac
     a.generate(FIRST, PARAMS)
     a.pause(expected_wait_s=30.0, tool="pytest")
     used = engine.kv.device.num_used
-    assert engine.offload.reclaim([a]) == 1
+    assert reclaim(engine.offload, [a]) == 1
     engine.check_invariants()
     stats, record = engine.offload.stats, a.last_pause
     assert stats.demoted_to == {"disk": 1}
@@ -81,7 +82,7 @@ def test_a_host_with_room_still_takes_the_demotion(tmp_path: Path) -> None:
     a = engine.open_session()
     a.generate(FIRST, PARAMS)
     a.pause(expected_wait_s=30.0)
-    assert engine.offload.reclaim([a]) == 1
+    assert reclaim(engine.offload, [a]) == 1
     assert engine.offload.stats.demoted_to == {"host": 1}
     assert a.last_pause is not None and a.last_pause.action is PauseAction.OFFLOAD_HOST
     engine.close()
@@ -95,7 +96,7 @@ def test_with_no_host_room_and_a_recompute_cheaper_than_disk_reclaim_drops(
     a = engine.open_session()
     a.generate(FIRST, PARAMS)
     a.pause(expected_wait_s=30.0)
-    assert engine.offload.reclaim([a]) == 1
+    assert reclaim(engine.offload, [a]) == 1
     assert engine.offload.stats.demoted_to == {"cache": 1}
     assert engine.offload.stats.bytes_moved["device_to_disk"] == 0
     assert a.last_pause is not None and a.last_pause.state == "cached"

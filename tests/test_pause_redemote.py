@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvpilot.engine import Engine
+from kvpilot.engine.reclaim import reclaim
 from kvpilot.engine.session import Session
 from kvpilot.engine.tier_stats import PauseState
 from kvpilot.memory import Tier
@@ -30,7 +31,7 @@ from equivalence import (
 
 def _prefetched(engine: Engine, session: Session) -> None:
     """Demote ``session``'s retained state to host, then let its prefetch bring it back."""
-    assert engine.offload.reclaim([session]) == 1
+    assert reclaim(engine.offload, [session]) == 1
     record = session.last_pause
     assert record is not None and record.state == PauseState.OFFLOADED
     assert record.prefetch_at is not None
@@ -54,7 +55,7 @@ def test_a_prefetched_state_demoted_again_is_awaited_on_host_without_a_copy(
     assert nodes and all(Tier.HOST in n.blocks for n in nodes)  # the copy is still there
     copied = offload.stats.bytes_moved["device_to_host"]
     engine.clock.advance(3.0)  # overdue: memory pressure demotes it again
-    assert offload.reclaim([a]) == 1
+    assert reclaim(offload, [a]) == 1
     engine.check_invariants()
     assert offload.stats.demoted_to == {"host": 2}
     assert offload.stats.bytes_moved["device_to_host"] == copied  # nothing copied again
@@ -83,7 +84,7 @@ def test_resumed_turns_after_a_second_demotion_equal_a_recompute(
     a.pause(expected_wait_s=2.0, tool="pytest")
     _prefetched(engine, a)
     engine.clock.advance(3.0)
-    assert engine.offload.reclaim([a]) == 1
+    assert reclaim(engine.offload, [a]) == 1
     assert engine.offload.stats.demoted_to == {"host": 2}
     second = recorder.turn(a, SECOND)
     engine.check_invariants()
@@ -105,12 +106,12 @@ def test_reclaim_lets_copies_out_under_way_free_their_blocks_before_demoting(
     assert offload.mover.moves  # the offload is in flight
     used = engine.kv.device.num_used
     held_b = offload.held_bytes(b.traj)
-    assert offload.reclaim([b]) == 1
+    assert reclaim(offload, [b]) == 1
     assert not offload.mover.moves
     assert engine.kv.device.num_used < used  # a's blocks came free
     assert offload.held_bytes(b.traj) == held_b  # b keeps its state
     assert offload.stats.decisions["demoted"] == 0 and not offload.stats.demoted_to
-    assert offload.reclaim([b]) == 1  # nothing under way now: b gives way
+    assert reclaim(offload, [b]) == 1  # nothing under way now: b gives way
     assert offload.stats.demoted_to == {"host": 1}
     engine.check_invariants()
     engine.close()
@@ -126,7 +127,7 @@ def test_a_write_to_disk_under_way_does_not_hold_reclaim_back(tmp_path: Path) ->
     a.pause(expected_wait_s=30.0)
     offload = engine.offload
     assert offload.mover.moves  # the write is under way
-    assert offload.reclaim([b]) == 1
+    assert reclaim(offload, [b]) == 1
     assert offload.stats.demoted_to == {"host": 1}
     engine.check_invariants()
     engine.close()

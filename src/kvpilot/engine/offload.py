@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Collection
-from collections.abc import Sequence as Seq
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -23,7 +22,6 @@ from kvpilot.engine.executor import TierTransport
 from kvpilot.engine.idle_held import IdleHeld
 from kvpilot.engine.pause_book import PauseBook
 from kvpilot.engine.pause_timers import PauseTimers
-from kvpilot.engine.reclaim import reclaim_one
 from kvpilot.engine.tier_mover import TierMover
 from kvpilot.engine.tier_stats import PauseRecord, PauseState, TierStats
 from kvpilot.errors import InvalidRequest, require
@@ -381,11 +379,6 @@ class OffloadManager:
             record = self.records.get(job.session_id or "")
             if job.prefetch and record is not None and record.state is PauseState.LOADING:
                 self.records.change(record, PauseState.PREFETCHED)
-
-    def reclaim(self, idle: Seq[PausableSession]) -> int:
-        """Memory pressure, with idle state to demote (`kvpilot.engine.reclaim`); returns 0
-        when nothing gave way (the scheduler stops asking), else 1."""
-        return reclaim_one(self, idle)
 
     def next_poll_at(self) -> float:
         """With no copy in flight, the earliest clock time at which `poll` does anything (a

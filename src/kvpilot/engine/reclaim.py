@@ -1,4 +1,5 @@
-"""Memory pressure: an idle session's state gives way (`OffloadManager.reclaim`).
+"""Memory pressure: an idle session's state gives way (`reclaim`, what the session table's
+`reclaim_idle` calls when admission needs room).
 
 One demotion per call, least value per byte held first (`pause_pricing.pick_demotion`): to
 host, to disk when the host has no room and the disk's round trip beats a recompute, else to
@@ -19,9 +20,9 @@ if TYPE_CHECKING:
     from kvpilot.engine.offload import OffloadManager, PausableSession
 
 
-def reclaim_one(offload: OffloadManager, idle: Seq[PausableSession]) -> int:
-    """Memory pressure, with idle state to demote; returns 0 when nothing gave way (the
-    scheduler stops asking), else 1.
+def reclaim(offload: OffloadManager, idle: Seq[PausableSession]) -> int:
+    """Memory pressure, with idle state to demote (``offload``'s sessions ``idle``); returns
+    0 when nothing gave way (the scheduler stops asking), else 1.
 
     Copies out to host already under way (a pause's offload) free their blocks first:
     wait for them and demote nothing more this call (copies to disk are not waited for:

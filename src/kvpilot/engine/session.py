@@ -19,6 +19,7 @@ from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING, Protocol
 
 from kvpilot.engine.branches import copy_forked_tails
+from kvpilot.engine.reclaim import reclaim
 from kvpilot.engine.request import Request, RequestOutput
 from kvpilot.engine.sampling import SamplingParams
 from kvpilot.engine.stats import EngineStats
@@ -245,7 +246,7 @@ class SessionTable(Mapping[str, Session]):
     def reclaim_idle(self, blocks_wanted: int) -> int:
         """Memory pressure: idle sessions' KV gives way (demoted by the offload manager)."""
         del blocks_wanted  # one session at a time; the scheduler asks again if short
-        return self.offload.reclaim(self.idle())
+        return reclaim(self.offload, self.idle())
 
     # -- turns ------------------------------------------------------------------------
 
