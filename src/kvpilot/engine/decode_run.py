@@ -320,6 +320,7 @@ def _apply(
     stream = engine.executor.decode_run_stream  # type: ignore[attr-defined]
     itl = stats.itl_s
     first_end = starts[1]  # step 0's inter-token latencies are each sequence's own
+    end_time = starts[k]
     for i, seq in enumerate(running):
         traj = seq.traj
         p = positions[i]
@@ -351,9 +352,11 @@ def _apply(
             b -= 1
             ending.append((seq, drawn.ids[b]))
         ids = drawn.ids[a:b]
-        tokens = ids.tolist()
-        seq.output_token_ids += tokens
-        traj.append_tokens(tokens, ids)
+        seq.output_token_ids += ids.tolist()
+        # Its tokens and the KV computed at the run's end, at once: the steps below allocate
+        # and commit by step, and commit given the count each step's commit would see.
+        traj.extend_run(ids, p + k)
+        seq.last_token_time = end_time
     assert finished is not None or not ending, "a run finishes sequences only when asked"
     events.sort()
     events.append((k, False, n))  # not an event: the run's end
@@ -394,24 +397,17 @@ def _apply(
             stop_j = looks[lk] if looks[lk] < poll_j else poll_j
         if j == k:
             break
-        traj = running[i].traj
-        if not is_commit:
-            traj.allocate(positions[i] + j + 1 - traj.num_computed_tokens)
+        if not is_commit:  # the step's tokens cross into a new block: one block more
+            running[i].traj.take_block()
             continue
         if shown != starts[j + 1]:  # commits come after the step's execution
             move(shown, starts[j + 1])
             shown = starts[j + 1]
-        traj.mark_computed(positions[i] + j + 1 - traj.num_computed_tokens)
-        traj.commit()
+        running[i].traj.commit(positions[i] + j + 1)  # the KV computed after step j
     move(shown, starts[k])
     stats.step_time_s = step_time
-    end_time = starts[k]
     # The ending sequences' last tokens are counted by end_decode_run below.
     _record_itls(itl, n, gaps, recorded, k, last_count)
-    for i, seq in enumerate(running):
-        traj = seq.traj
-        traj.mark_computed(positions[i] + k - traj.num_computed_tokens)
-        seq.last_token_time = end_time
     stats.steps += k
     stats.decode_tokens += n * k
     stats.generated_tokens += n * k - len(ending)

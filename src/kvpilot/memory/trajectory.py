@@ -236,27 +236,15 @@ class Trajectory:
         need = -(-(self.num_computed_tokens + num_new_tokens) // self._bs) - len(self.block_table)
         if need <= 0:
             return
+        window = self.window
+        if need == 1 and window is None:  # a decode step's block (the hot path)
+            self.take_block()
+            return
         if self.held_log is not None:  # an idle trajectory taking blocks (a prefetch, a test)
             self.held_log.append(self)
         pool = self._pool
-        window = self.window
         if window is None:
             free = pool._free
-            if need == 1:  # a decode step's block (the hot path)
-                if free:  # `pool.allocate(1)`, inline: the LIFO free list's last block
-                    block = free.pop()
-                    pool._refcounts[block] = 1
-                else:  # a full pool: `evict(1)` then `allocate(1)` as one call
-                    block = self._radix.evict_one_for_reuse()
-                    if block < 0:
-                        self._radix.evict(1)
-                        block = pool.allocate(1)[0]
-                table = self.block_table
-                table.append(block)
-                self.num_private_blocks += 1
-                if len(table) == 1:  # it was empty: now resident
-                    self._manager.resident_trajectories += 1
-                return
             if need > len(free):  # a full pool: `evict` then `allocate` as one call
                 blocks = self._radix.evict_and_allocate(need)
                 if blocks is None:  # more than one trim: the pair
@@ -282,6 +270,42 @@ class Trajectory:
             self._manager.resident_trajectories += 1
         window.grow(fresh)
 
+    def extend_run(self, ids: array, computed: int) -> None:
+        """A decode run's tokens: ``ids`` (int32) appended and the KV counted as computed up
+        to ``computed``, as at the run's end, at once. The run then takes the blocks of its
+        steps (`take_block`) and commits (`commit` with ``upto``) in step order; nothing reads
+        the computed count in between (`kvpilot.engine.decode_run.RunLookout`)."""
+        if self.closed:
+            self._require_open()
+        tokens = self.tokens
+        tokens.extend(ids)
+        if computed > len(tokens) or computed < self.num_computed_tokens:
+            self._reject_computed(computed - self.num_computed_tokens)
+        self.num_computed_tokens = computed
+
+    def take_block(self) -> None:
+        """One more private block at the end of the table: `allocate` of a step whose tokens
+        cross into a new block (a decode step's), for a trajectory without a window table. A
+        decode run (`kvpilot.engine.decode_run`) calls it at each step where a sequence
+        crosses a block boundary, in step order."""
+        if self.held_log is not None:  # an idle trajectory taking blocks (a prefetch, a test)
+            self.held_log.append(self)
+        pool = self._pool
+        free = pool._free
+        if free:  # `pool.allocate(1)`, inline: the LIFO free list's last block
+            block = free.pop()
+            pool._refcounts[block] = 1
+        else:  # a full pool: `evict(1)` then `allocate(1)` as one call
+            block = self._radix.evict_one_for_reuse()
+            if block < 0:
+                self._radix.evict(1)
+                block = pool.allocate(1)[0]
+        table = self.block_table
+        table.append(block)
+        self.num_private_blocks += 1
+        if len(table) == 1:  # it was empty: now resident
+            self._manager.resident_trajectories += 1
+
     def mark_computed(self, n: int) -> None:
         if self.closed:
             self._require_open()
@@ -304,11 +328,14 @@ class Trajectory:
             f"{-(-done // self._bs)} blocks, table has {len(self.block_table)}; allocate first"
         )
 
-    def commit(self) -> int:
+    def commit(self, upto: int | None = None) -> int:
+        """Hand the full blocks of the KV computed (of its first ``upto`` tokens, where
+        given: a decode run's commit at a step before the run's end) to the prefix cache;
+        returns the blocks newly cached."""
         if self.closed:
             self._require_open()
         bs = self._bs
-        n_full = self.num_computed_tokens // bs
+        n_full = (self.num_computed_tokens if upto is None else upto) // bs
         shared = self.locked_tokens // bs
         if n_full <= shared:
             return 0
