@@ -134,7 +134,9 @@ def test_execute_counts_recomputed_positions_and_the_shape_of_each_step(
 def test_a_recorded_decode_run_needs_one_position_per_sequence() -> None:
     sim = runner(32000)
     with pytest.raises(ValueError, match="one position per sequence"):
-        sim.record_decode_run([1, 2], [10], [0.01, 0.01])
+        sim.record_decode_run(  # type: ignore[arg-type]
+            [SimpleNamespace(seq_id=1), SimpleNamespace(seq_id=2)], [10], [0.01, 0.01]
+        )
     assert (sim.steps, sim.busy_s) == (0, 0.0)  # and nothing counted
 
 
@@ -190,9 +192,12 @@ def test_the_last_shape_of_a_decode_run_carries_the_kv_its_steps_share(
     sim = calibrated_runner(6e-8)
     positions = [4 * h + tail for h in heads]
     tables = [list(range(h)) + [100 * (i + 1) + j for j in range(9)] for i, h in enumerate(heads)]
-    running = [SimpleNamespace(traj=SimpleNamespace(block_table=t)) for t in tables]
+    running = [
+        SimpleNamespace(seq_id=i, traj=SimpleNamespace(block_table=t))
+        for i, t in enumerate(tables)
+    ]
     durations, _ = sim.decode_run_clock(positions, 0.0, math.inf, steps, running)  # type: ignore[arg-type]
-    sim.record_decode_run(list(range(len(heads))), positions, durations)
+    sim.record_decode_run(running, positions, durations)  # type: ignore[arg-type]
     last = [
         SeqWork(i, [1], p + steps - 1, t)
         for i, (p, t) in enumerate(zip(positions, tables, strict=True))

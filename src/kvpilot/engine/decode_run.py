@@ -92,9 +92,10 @@ class DecodeRunExecutor(Protocol):
         ...
 
     def record_decode_run(
-        self, seq_ids: Sequence[int], positions: Sequence[int], durations: Sequence[float]
+        self, running: Sequence[Seq], positions: Sequence[int], durations: Sequence[float]
     ) -> None:
-        """Count the steps as executed (the caller moves the clock)."""
+        """Count the steps of the ``running`` sequences at ``positions`` as executed (the
+        caller moves the clock)."""
         ...
 
 
@@ -411,9 +412,7 @@ def _apply(
     stats.steps += k
     stats.decode_tokens += n * k
     stats.generated_tokens += n * k - len(ending)
-    engine.executor.record_decode_run(  # type: ignore[attr-defined]
-        [seq.seq_id for seq in running], positions, durations
-    )
+    engine.executor.record_decode_run(running, positions, durations)  # type: ignore[attr-defined]
     if not ending:
         return
     # The last step samples these sequences' last tokens: the engine finishes them.

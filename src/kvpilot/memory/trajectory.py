@@ -278,7 +278,7 @@ class Trajectory:
         if self.closed:
             self._require_open()
         tokens = self.tokens
-        tokens.extend(ids)
+        tokens += ids
         if computed > len(tokens) or computed < self.num_computed_tokens:
             self._reject_computed(computed - self.num_computed_tokens)
         self.num_computed_tokens = computed

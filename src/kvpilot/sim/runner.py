@@ -249,11 +249,11 @@ class SimulatedRunner:
         return array("i", draws.tobytes())  # all below 2**31: the same bytes as int32
 
     def record_decode_run(
-        self, seq_ids: Sequence[int], positions: Sequence[int], durations: Sequence[float]
+        self, running: Sequence[Seq], positions: Sequence[int], durations: Sequence[float]
     ) -> None:
-        """Count a run of decode-only steps as `execute` would have, one by one (the caller
-        moves the clock)."""
-        if len(seq_ids) != len(positions):
+        """Count a run of decode-only steps of the ``running`` sequences, at ``positions`` at
+        its first step, as `execute` would have, one by one (the caller moves the clock)."""
+        if len(running) != len(positions):
             raise ValueError("a decode run needs one position per sequence")
         k = len(durations)
         busy = self.busy_s
@@ -262,7 +262,8 @@ class SimulatedRunner:
         self.busy_s = busy
         self.steps += k
         high = self._high_water
-        for i, seq_id in enumerate(seq_ids):  # not zip(strict=True): a keyword call costs more
+        for i, seq in enumerate(running):  # not zip(strict=True): a keyword call costs more
+            seq_id = seq.seq_id
             p = positions[i]
             mark = high.get(seq_id, 0)
             if p < mark:
