@@ -405,3 +405,24 @@ def test_a_run_visits_no_step_for_polls_when_none_is_due() -> None:
     assert _first_poll(starts, 0.2, 0, 4) == 2  # the step starting at the poll time polls
     assert _first_poll(starts, 0.2, 3, 4) == 3  # one after another: from where it stands
     assert _first_poll(starts, 9.0, 0, 4) == 4
+
+
+def test_the_engine_holds_its_invariants_at_every_look_inside_a_run() -> None:
+    # A run counts each sequence's KV as computed to its end at once, then takes its blocks
+    # step by step: at a look the counts are those of the look's step, every table covering
+    # them, every locked path within them.
+    setup = setup_for(600, 0.9, 512, True)
+    wl = workload(3, 12, 0.3, 1.5, 4)
+    engine, _ = build_engine(setup, wl.vocab_size, "breakeven")
+    calls = count_steps(engine)
+    looked = 0
+
+    def check(_now: float) -> None:
+        nonlocal looked
+        engine.check_invariants()
+        looked += 1
+
+    sim = Simulator(engine, duration_s=setup.duration_s, sample_interval_s=0.05, on_progress=check)
+    sim.run(AgentDriver(wl, engine.max_model_len))
+    assert looked > 900
+    assert engine.stats.steps > 5 * calls[0]  # most looks fell inside runs

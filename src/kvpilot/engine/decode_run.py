@@ -291,6 +291,12 @@ def _first_poll(starts: list[float], poll_at: float, lo: int, k: int) -> int:
     return bisect_left(starts, poll_at - 1e-9 * (scale if scale > 1.0 else 1.0), lo, k)
 
 
+def _computed_at(running: list[Seq], positions: list[int], step: int) -> None:
+    """Count each running sequence's KV as computed as of the run's ``step`` (a look's)."""
+    for i, seq in enumerate(running):
+        seq.traj.computed_in_run(positions[i] + step)
+
+
 def _apply(
     engine: Engine,
     run: _Run,
@@ -390,6 +396,7 @@ def _apply(
                 assert lookout is not None
                 _record_itls(itl, n, gaps, recorded, stop_j, last_count)
                 recorded = stop_j
+                _computed_at(running, positions, stop_j)  # extend_run counted the run's end
                 lookout.look()
                 lk += 1
             if stop_j == poll_j:
@@ -406,6 +413,8 @@ def _apply(
             shown = starts[j + 1]
         running[i].traj.commit(positions[i] + j + 1)  # the KV computed after step j
     move(shown, starts[k])
+    if lk:  # a look set the KV computed at its step: back to the run's end
+        _computed_at(running, positions, k)
     stats.step_time_s = step_time
     # The ending sequences' last tokens are counted by end_decode_run below.
     _record_itls(itl, n, gaps, recorded, k, last_count)

@@ -273,13 +273,21 @@ class Trajectory:
     def extend_run(self, ids: array, computed: int) -> None:
         """A decode run's tokens: ``ids`` (int32) appended and the KV counted as computed up
         to ``computed``, as at the run's end, at once. The run then takes the blocks of its
-        steps (`take_block`) and commits (`commit` with ``upto``) in step order; nothing reads
-        the computed count in between (`kvpilot.engine.decode_run.RunLookout`)."""
+        steps (`take_block`) and commits (`commit` with ``upto``) in step order: until its
+        last block is taken the table covers less than that count, and a look inside the run
+        sets the count of its step first (`computed_in_run`)."""
         if self.closed:
             self._require_open()
         tokens = self.tokens
         tokens += ids
         if computed > len(tokens) or computed < self.num_computed_tokens:
+            self._reject_computed(computed - self.num_computed_tokens)
+        self.num_computed_tokens = computed
+
+    def computed_in_run(self, computed: int) -> None:
+        """The KV computed as of a step inside a decode run (after `extend_run`): what the
+        engine shows at that step, blocks taken and commits made up to it."""
+        if computed > len(self.tokens) or computed > len(self.block_table) * self._bs:
             self._reject_computed(computed - self.num_computed_tokens)
         self.num_computed_tokens = computed
 
