@@ -4,14 +4,16 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Protocol
 
-from kvpilot.errors import InvalidRequest, OutOfBlocks, require
+from kvpilot.errors import InvalidRequest, OutOfBlocks
 from kvpilot.memory.block_pool import BlockPool
 from kvpilot.memory.hashing import root_hash
 from kvpilot.memory.radix import RadixCache, RadixNode, as_token_array
 from kvpilot.memory.tiers import Tier
+from kvpilot.memory.trajectory_branch import ForkResult, fork_trajectory, truncate_trajectory
+from kvpilot.memory.trajectory_check import check_trajectory
+from kvpilot.memory.trajectory_marks import HighWaterMark
 from kvpilot.memory.window import WindowPool
 from kvpilot.memory.window_table import WindowTable
 
@@ -36,18 +38,7 @@ class TrajectoryRegistry(Protocol):
     def deregister(self, traj: Trajectory) -> None: ...
 
 
-@dataclass(frozen=True, slots=True)
-class ForkResult:
-    """A fork's child, the (src, dst) block copy its partial tail needs, and whether it was
-    deferred (opened on the parent's tokens with no KV: it recomputes its tail from the cache)."""
-
-    child: Trajectory
-    copy: tuple[int, int] | None
-    deferred: bool = False
-    window_copy: tuple[int, int] | None = None  # the same copy in the window group
-
-
-class Trajectory:
+class Trajectory(HighWaterMark):
     """An agent session's KV state. Tokens are the truth; KV is derivative.
 
     ``block_table[i]`` holds KV of positions ``[i*B, (i+1)*B)``. The first
@@ -370,39 +361,9 @@ class Trajectory:
         self.commit()
 
     def fork(self) -> ForkResult:
-        """Figure 5: the child shares every full block and gets its own copy of the partial tail."""
-        self._require_open()
-        self.commit()
-        n_full, tail = divmod(self.num_computed_tokens, self._bs)
-        pool = self._pool
-        window = self.window
-        dst: int | None = None
-        window_dst: int | None = None
-        if tail:
-            if window is not None:
-                window_dst = window.pool.allocate(1)[0]
-            try:
-                if pool.num_free < 1:
-                    self._radix.evict(1)
-                dst = pool.allocate(1)[0]
-            except OutOfBlocks:
-                if window is not None and window_dst is not None:
-                    window.pool.release([window_dst])
-                raise
-        manager = self._manager
-        child = Trajectory(manager, manager.next_trajectory_id(), self.salt, self.tokens)
-        shared = self.block_table[:n_full]  # the parent's locked path (committed just now)
-        child.block_table = shared if dst is None else [*shared, dst]
-        child._lock_to(self.locked_node)  # and counts its blocks
-        child.num_computed_tokens = child._settled = self.num_computed_tokens  # not by a step
-        window_copy = None
-        if window is not None:
-            child.window = window.forked(n_full, window_dst)
-            if window_dst is not None:
-                window_copy = (window.blocks[n_full], window_dst)
-        manager.register(child)
-        copy = None if dst is None else (self.block_table[n_full], dst)
-        return ForkResult(child, copy, window_copy=window_copy)
+        """Figure 5: the child shares every full block and gets its own copy of the partial tail
+        (`kvpilot.memory.trajectory_branch.fork_trajectory`)."""
+        return fork_trajectory(self)
 
     def release_kv(self, keep_in_cache: bool = True) -> None:
         self._require_open()
@@ -420,44 +381,9 @@ class Trajectory:
         self._pool.decref_many(private)
 
     def truncate(self, num_tokens: int) -> None:
-        """Rewind to the first ``num_tokens`` tokens (a client resent a history that diverged).
-
-        Every full block before the cut stays where it is (held, or in the prefix cache);
-        only the partial block at the cut is recomputed.
-        """
-        self._require_open()
-        if not 0 <= num_tokens <= len(self.tokens):
-            raise InvalidRequest(
-                f"cannot truncate trajectory {self.traj_id} of {len(self.tokens)} tokens "
-                f"to {num_tokens}"
-            )
-        window = self.window
-        if window is not None:
-            window.forget_hashes(num_tokens // self._bs)
-        if num_tokens < self.num_computed_tokens:
-            bs = self._bs
-            keep = num_tokens // bs
-            if window is not None:  # back to where the window group's KV is whole
-                keep = window.longest_valid(keep, self.num_computed_tokens, self.tokens)
-            shared = self.locked_tokens // bs
-            if keep < shared:
-                # The cut falls inside the shared path: lock only its first ``keep`` blocks
-                # (matching splits the node at that block boundary; the whole locked path is
-                # on device, so the match ends exactly there and no block turns private).
-                match = self._radix.match(self.tokens[: keep * bs], self.salt, record=False)
-                self._lock_to(match.node)
-            extra = self.block_table[max(keep, shared) :]  # the private blocks past the cut
-            if keep == 0 and self.block_table:
-                self._manager.resident_trajectories -= 1
-            del self.block_table[keep:]
-            self._pool.decref_many(extra)
-            if window is not None:
-                window.truncate(keep)
-                window.adopt(keep, self.num_computed_tokens, self.tokens)
-            self._peak = self.high_water()
-            self.num_computed_tokens = self._settled = keep * bs
-            self._recount()
-        del self.tokens[num_tokens:]
+        """Rewind to the first ``num_tokens`` tokens (a client resent a history that diverged;
+        `kvpilot.memory.trajectory_branch.truncate_trajectory`)."""
+        truncate_trajectory(self, num_tokens)
 
     def close(self) -> None:
         if self.closed:
@@ -467,70 +393,7 @@ class Trajectory:
         self.closed = True
         self._manager.deregister(self)
 
-    # ---- the high-water mark, for recompute counts -----------------------------------------
-
-    def high_water(self) -> int:
-        """The most tokens of KV this trajectory has had computed by steps (`mark_computed`;
-        a prefix hit or a fork's inherited KV is not), as capped by `cap_high_water` and
-        reset by `forget_high_water`: what a recompute count compares an admission with.
-
-        Kept without a per-step cost: a step only raises num_computed_tokens, so the count
-        now was reached by a step exactly when it differs from the count right after the
-        last change made otherwise (a prefix hit, a release, a cut, a fork), where the mark
-        so far is folded in (``_peak``).
-        """
-        done = self.num_computed_tokens
-        if done != self._settled and done > self._peak:
-            return done
-        return self._peak
-
-    def cap_high_water(self, num_tokens: int) -> None:
-        """At most ``num_tokens`` count as computed before (a rewind: what follows is new)."""
-        self._peak = min(self.high_water(), num_tokens)
-        self._settled = self.num_computed_tokens
-
-    def forget_high_water(self) -> None:
-        """Nothing counts as computed before (the KV computed so far is forgotten)."""
-        self._peak = 0
-        self._settled = self.num_computed_tokens
-
     # ---- integrity -----------------------------------------------------------------------
 
     def check_invariants(self) -> None:
-        if self.closed:
-            require(not self.block_table, f"closed trajectory {self.traj_id} holds blocks")
-            require(self.num_computed_tokens == 0, f"closed trajectory {self.traj_id} has KV")
-            return
-        bs = self._bs
-        tid = self.traj_id
-        node = self.locked_node
-        require(node.alive, f"trajectory {tid} locks an evicted node")
-        top = node
-        while top.parent is not None:
-            top = top.parent
-        require(top is self._radix.root(self.salt), f"trajectory {tid} locks another salt's path")
-        require(
-            self.tokens[: node.depth_tokens] == node.path_tokens(),
-            f"trajectory {tid}: its locked path holds other tokens than its own",
-        )
-        computed = self.num_computed_tokens
-        require(computed <= len(self.tokens), f"trajectory {tid}: computed beyond its tokens")
-        require(computed <= len(self.block_table) * bs, f"trajectory {tid}: KV not covered")
-        require(node.depth_tokens <= computed, f"trajectory {tid}: locked path beyond computed")
-        shared = node.depth_tokens // bs
-        require(
-            self.locked_tokens == node.depth_tokens
-            and self.num_private_blocks == len(self.block_table) - shared,
-            f"trajectory {tid}: locked_tokens {self.locked_tokens} or num_private_blocks "
-            f"{self.num_private_blocks} drifted from its locked node and table",
-        )
-        require(
-            self.block_table[:shared] == node.path_blocks(Tier.DEVICE),
-            f"trajectory {tid}: shared prefix differs from its locked path's blocks",
-        )
-        require(
-            len(set(self.block_table)) == len(self.block_table),
-            f"trajectory {tid}: a block appears twice in its table",
-        )
-        if self.window is not None:
-            self.window.check(tid, computed, len(self.block_table))
+        check_trajectory(self)  # trajectory_check.py
