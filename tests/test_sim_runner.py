@@ -193,8 +193,7 @@ def test_the_last_shape_of_a_decode_run_carries_the_kv_its_steps_share(
     positions = [4 * h + tail for h in heads]
     tables = [list(range(h)) + [100 * (i + 1) + j for j in range(9)] for i, h in enumerate(heads)]
     running = [
-        SimpleNamespace(seq_id=i, traj=SimpleNamespace(block_table=t))
-        for i, t in enumerate(tables)
+        SimpleNamespace(seq_id=i, traj=SimpleNamespace(block_table=t)) for i, t in enumerate(tables)
     ]
     durations, _ = sim.decode_run_clock(positions, 0.0, math.inf, steps, running)  # type: ignore[arg-type]
     sim.record_decode_run(running, positions, durations)  # type: ignore[arg-type]
