@@ -201,7 +201,7 @@ def advance_decode_run(
             return 0
         request = seq.request
         params = request.params
-        if (params.stop and text_stops) or (params.n > 1 and not request.forked):
+        if (text_stops and params.stop) or (params.n > 1 and not request.forked):
             return 0
         # Steps up to and including the one sampling the last token (max_tokens, length).
         # NOTE: conditionals, not min() and max(), on this path: a builtin call costs more.
@@ -247,7 +247,7 @@ def advance_decode_run(
         k = next((j for j, token in enumerate(sampled) if token in stop), k)
     looks: list[int] = []
     if lookout is not None and k >= 2:
-        looks, k = lookout.plan_looks(starts[: k + 1])
+        looks, k = lookout.plan_looks(starts if len(starts) == k + 1 else starts[: k + 1])
     if k < 2:
         return 0
     del durations[k:], starts[k + 1 :]
