@@ -4,16 +4,16 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Protocol
 
 from kvpilot.errors import InvalidRequest, OutOfBlocks
 from kvpilot.memory.block_pool import BlockPool
 from kvpilot.memory.hashing import root_hash
 from kvpilot.memory.radix import RadixCache, RadixNode, as_token_array
-from kvpilot.memory.tiers import Tier
-from kvpilot.memory.trajectory_branch import ForkResult, fork_trajectory, truncate_trajectory
 from kvpilot.memory.trajectory_check import check_trajectory
 from kvpilot.memory.trajectory_marks import HighWaterMark
+from kvpilot.memory.trajectory_prefix import adopt_cached_prefix, truncate_trajectory
 from kvpilot.memory.window import WindowPool
 from kvpilot.memory.window_table import WindowTable
 
@@ -36,6 +36,17 @@ class TrajectoryRegistry(Protocol):
     def register(self, traj: Trajectory) -> None: ...
 
     def deregister(self, traj: Trajectory) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class ForkResult:
+    """A fork's child, the (src, dst) block copy its partial tail needs, and whether it was
+    deferred (opened on the parent's tokens with no KV: it recomputes its tail from the cache)."""
+
+    child: Trajectory
+    copy: tuple[int, int] | None
+    deferred: bool = False
+    window_copy: tuple[int, int] | None = None  # the same copy in the window group
 
 
 class Trajectory(HighWaterMark):
@@ -171,7 +182,7 @@ class Trajectory(HighWaterMark):
         # The usual case, a session's next turn: its locked node is a leaf, so the match would
         # end there, at or below what it has computed; only the path's access times change.
         if not self._radix.touch_leaf(self.locked_node, end):
-            self._adopt_match(end)
+            adopt_cached_prefix(self, end)  # trajectory_prefix.py
         if record:
             self.prompt_tokens_total += n
             self.hit_tokens_total += self.num_computed_tokens
@@ -179,38 +190,6 @@ class Trajectory(HighWaterMark):
             stats.queried_tokens += n
             stats.hit_tokens += self.num_computed_tokens
         return self.num_computed_tokens
-
-    def _adopt_match(self, end: int) -> None:
-        """Match the first ``end`` tokens below the locked node and adopt what is cached past
-        the KV computed so far."""
-        match = self._radix.match(
-            self.tokens, self.salt, record=False, below=self.locked_node, length=end
-        )
-        window = self.window
-        computed = self.num_computed_tokens
-        if window is not None and match.num_tokens > computed:
-            # A hit must also hold the window group's KV of its last W tokens.
-            k = window.longest_valid(match.num_tokens // self._bs, computed, self.tokens)
-            if k * self._bs < match.num_tokens:
-                match = self._radix.match(self.tokens[: k * self._bs], self.salt, record=False)
-        if match.num_tokens > computed:
-            shared = self.locked_tokens // self._bs
-            new_blocks = match.blocks(Tier.DEVICE)
-            self._lock_to(match.node)
-            table = self.block_table
-            pool = self._pool
-            overlap = min(len(table), len(new_blocks))
-            for i in range(shared, overlap):  # private blocks the locked path now covers
-                pool.decref(table[i])
-                table[i] = new_blocks[i]
-            if not table and new_blocks:  # the table turns non-empty
-                self._manager.resident_trajectories += 1
-            table.extend(new_blocks[overlap:])  # held by the lock
-            self._recount()
-            if window is not None:
-                window.adopt(match.num_tokens // self._bs, computed, self.tokens)
-            self._peak = self.high_water()  # a prefix hit is not KV computed by a step
-            self.num_computed_tokens = self._settled = match.num_tokens
 
     def blocks_needed(self, num_new_tokens: int) -> int:
         if num_new_tokens < 0:
@@ -361,9 +340,39 @@ class Trajectory(HighWaterMark):
         self.commit()
 
     def fork(self) -> ForkResult:
-        """Figure 5: the child shares every full block and gets its own copy of the partial tail
-        (`kvpilot.memory.trajectory_branch.fork_trajectory`)."""
-        return fork_trajectory(self)
+        """Figure 5: the child shares every full block and gets its own copy of the partial tail."""
+        self._require_open()
+        self.commit()
+        n_full, tail = divmod(self.num_computed_tokens, self._bs)
+        pool = self._pool
+        window = self.window
+        dst: int | None = None
+        window_dst: int | None = None
+        if tail:
+            if window is not None:
+                window_dst = window.pool.allocate(1)[0]
+            try:
+                if pool.num_free < 1:
+                    self._radix.evict(1)
+                dst = pool.allocate(1)[0]
+            except OutOfBlocks:
+                if window is not None and window_dst is not None:
+                    window.pool.release([window_dst])
+                raise
+        manager = self._manager
+        child = Trajectory(manager, manager.next_trajectory_id(), self.salt, self.tokens)
+        shared = self.block_table[:n_full]  # the parent's locked path (committed just now)
+        child.block_table = shared if dst is None else [*shared, dst]
+        child._lock_to(self.locked_node)  # and counts its blocks
+        child.num_computed_tokens = child._settled = self.num_computed_tokens  # not by a step
+        window_copy = None
+        if window is not None:
+            child.window = window.forked(n_full, window_dst)
+            if window_dst is not None:
+                window_copy = (window.blocks[n_full], window_dst)
+        manager.register(child)
+        copy = None if dst is None else (self.block_table[n_full], dst)
+        return ForkResult(child, copy, window_copy=window_copy)
 
     def release_kv(self, keep_in_cache: bool = True) -> None:
         self._require_open()
@@ -382,7 +391,7 @@ class Trajectory(HighWaterMark):
 
     def truncate(self, num_tokens: int) -> None:
         """Rewind to the first ``num_tokens`` tokens (a client resent a history that diverged;
-        `kvpilot.memory.trajectory_branch.truncate_trajectory`)."""
+        `kvpilot.memory.trajectory_prefix.truncate_trajectory`)."""
         truncate_trajectory(self, num_tokens)
 
     def close(self) -> None:

@@ -3,16 +3,33 @@ counts and window table against each other and the prefix cache."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from array import array
+from typing import Protocol
 
 from kvpilot.errors import require
+from kvpilot.memory.radix import RadixCache, RadixNode
 from kvpilot.memory.tiers import Tier
-
-if TYPE_CHECKING:
-    from kvpilot.memory.trajectory import Trajectory
+from kvpilot.memory.window_table import WindowTable
 
 
-def check_trajectory(traj: Trajectory) -> None:
+class AuditedTrajectory(Protocol):
+    """What the audit reads of a `Trajectory`."""
+
+    traj_id: int
+    salt: str | None
+    closed: bool
+    tokens: array
+    block_table: list[int]
+    num_computed_tokens: int
+    locked_tokens: int
+    num_private_blocks: int
+    locked_node: RadixNode
+    window: WindowTable | None
+    _bs: int
+    _radix: RadixCache
+
+
+def check_trajectory(traj: AuditedTrajectory) -> None:
     """AssertionError on the first thing about ``traj`` that does not add up."""
     if traj.closed:
         require(not traj.block_table, f"closed trajectory {traj.traj_id} holds blocks")
