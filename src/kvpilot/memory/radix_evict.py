@@ -18,7 +18,7 @@ from abc import ABC, abstractmethod
 from kvpilot.memory.block_pool import BlockPool
 from kvpilot.memory.hashing import HASH_BYTES
 from kvpilot.memory.radix_node import RadixNode, RadixObserver, RadixStats
-from kvpilot.memory.tiers import DEVICE, Tier
+from kvpilot.memory.tiers import Tier
 
 TIER_BIT = {Tier.DEVICE: 1, Tier.HOST: 2, Tier.DISK: 4}
 
@@ -302,117 +302,6 @@ class RadixEviction(ABC):
             freed += self._after_release(node, tier)
         self.stats.evicted_blocks += freed
         return freed
-
-    def evict_one_for_reuse(self) -> int:
-        """`evict(1)` then the device pool's `allocate(1)` in one step (a decode step's block
-        under a full pool, the hot path): the block the eviction frees is handed on with the
-        tree's reference (refcount 1 now the caller's) instead of going through the free list.
-
-        The pair gives the same block: with the free list empty (why `evict` is called) and
-        LIFO, `allocate` pops what `evict` just freed. Only for evict's trim case (the least
-        recently used candidate a childless single-copy leaf of two or more blocks, its last
-        block held by the tree alone) and no `on_free` hook; otherwise -1, and the caller does
-        the pair: nothing changed but what `evict` does first anyway (`peek` fixing the queue's
-        stale top entries, after which a `peek` changes nothing).
-        """
-        queues = self._queues
-        heap = queues._heaps[DEVICE]
-        if not heap:
-            return -1
-        key, _, node = heap[0]
-        ids = node.blocks.get(DEVICE)
-        if (  # evict's ``hot`` test: a fresh top entry, a candidate
-            ids is None
-            or key != node.last_access
-            or node.lock_count
-            or not node._alive
-            or not node.depth_tokens
-            or node.children
-        ):
-            peeked = queues.peek(DEVICE)  # as `evict` would, fixing the heap in place
-            if peeked is None:
-                return -1
-            node = peeked
-            key = node.last_access
-            ids = node.blocks[DEVICE]
-        if len(ids) < 2 or node.children or len(node.blocks) != 1:  # not a trim
-            return -1
-        pool = self.pools[DEVICE]
-        block = ids[-1]
-        if pool._refcounts[block] != 1 or pool.on_free is not None:
-            return -1
-        if self.observer is not None:
-            self.observer.evicted(DEVICE, node.hashes[-HASH_BYTES:])
-        ids.pop()
-        bs = self.block_size
-        del node.tokens[-bs:]
-        if node._hashes is not None:
-            node._hashes = node._hashes[:-HASH_BYTES]
-        node.depth_tokens -= bs
-        self._cached[DEVICE] -= 1
-        self._evictable[DEVICE] -= 1
-        n = len(heap)  # `requeue_top`, when it has something to do (as in `evict`)
-        if (
-            (n > 1 and heap[1][0] <= key)
-            or (n > 2 and heap[2][0] <= key)
-            or n > 2 * self._num_nodes + 1024
-        ):
-            self._queues.requeue_top(DEVICE, self._num_nodes)
-        self.stats.evicted_blocks += 1
-        return block
-
-    def evict_and_allocate(self, n: int) -> list[int] | None:
-        """`evict(n - num_free)` then the device pool's `allocate(n)` in one call (an admission's
-        blocks under a full pool, the hot path): the trimmed blocks are handed on with the
-        tree's references (refcount 1, now the caller's) instead of going through the free list.
-
-        The pair gives the same blocks: `evict` trims the least recently used leaf's last
-        ``short`` blocks, ``tail``, and `decref_many` appends them to the free list in that
-        order after the ``num_free`` blocks already there; `allocate(n)` then pops all of them
-        from the end (LIFO): ``reversed(tail)``, then the free list's blocks, last first.
-        Only for evict's one-trim case (the candidate a childless single-copy leaf longer than
-        ``short``, its last ``short`` blocks held by the tree alone) and no `on_free` hook;
-        otherwise None, and the caller does the pair: nothing changed but `peek` fixing the
-        queue's stale top entries, which `evict` does first anyway.
-        """
-        pool = self.pools[DEVICE]
-        short = n - len(pool._free)
-        if short <= 0:
-            return pool.allocate(n)
-        node = self._queues.peek(DEVICE)  # evict's first candidate
-        if node is None or pool.on_free is not None:
-            return None
-        ids = node.blocks[DEVICE]
-        if len(ids) <= short or node.children or len(node.blocks) != 1:  # not one trim
-            return None
-        tail = ids[-short:]
-        refs = pool._refcounts
-        for block in tail:
-            if refs[block] != 1:  # someone else holds it too: `evict` would not free it
-                return None
-        if self.observer is not None:
-            self.observer.evicted(DEVICE, node.hashes[-short * HASH_BYTES :])
-        key = node.last_access
-        del ids[-short:]
-        del node.tokens[-short * self.block_size :]
-        if node._hashes is not None:
-            node._hashes = node._hashes[: -short * HASH_BYTES]
-        node.depth_tokens -= short * self.block_size
-        self._cached[DEVICE] -= short
-        self._evictable[DEVICE] -= short
-        heap = self._queues._heaps[DEVICE]
-        size = len(heap)  # `requeue_top`, when it has something to do (as in `evict`)
-        if (
-            (size > 1 and heap[1][0] <= key)
-            or (size > 2 and heap[2][0] <= key)
-            or size > 2 * self._num_nodes + 1024
-        ):
-            self._queues.requeue_top(DEVICE, self._num_nodes)
-        self.stats.evicted_blocks += short
-        tail.reverse()
-        if short < n:  # the free list's blocks follow, as `allocate` pops them
-            tail += pool.allocate(n - short)
-        return tail
 
     def _release(self, node: RadixNode, tier: Tier) -> int:
         """Drop ``node``'s copy in ``tier``; returns blocks that went back to the free list."""
