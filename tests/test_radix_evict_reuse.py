@@ -57,8 +57,7 @@ def state(cache: RadixCache) -> tuple[object, ...]:
     return (
         [label(node) for node in nodes(cache)],
         heap,
-        dict(cache._cached),
-        dict(cache._evictable),
+        cache.block_counts(),
         cache.stats,
         list(pool._free),
         list(pool._refcounts),

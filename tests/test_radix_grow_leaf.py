@@ -56,7 +56,7 @@ def reference_grow(cache: RadixCache, node: RadixNode, tokens: array, blocks: li
     device.extend(blocks)
     node.depth_tokens += len(blocks) * B
     node.last_access = cache._clock()
-    cache._cached[Tier.DEVICE] += len(blocks)
+    cache._tally[Tier.DEVICE].cached += len(blocks)
     cache.stats.inserted_blocks += len(blocks)
     return True
 
@@ -88,8 +88,7 @@ def state(cache: RadixCache) -> tuple[object, ...]:
             (n.tokens.tolist(), n.blocks, n.depth_tokens, n.last_access, n._hashes, n.lock_count)
             for n in nodes(cache)
         ],
-        dict(cache._cached),
-        dict(cache._evictable),
+        cache.block_counts(),
         cache.stats,
         list(cache.pools[Tier.DEVICE]._refcounts),
         observer.log if isinstance(observer, Events) else None,

@@ -48,7 +48,7 @@ def state(cache: RadixCache) -> tuple[object, ...]:
         for tier, heap in cache._queues._heaps.items()
     }
     counts = [node.lock_count for node in nodes(cache)]
-    return counts, dict(cache._evictable), heaps
+    return counts, cache.block_counts()["evictable"], heaps
 
 
 prefix = st.tuples(st.integers(0, len(STREAMS) - 1), st.integers(1, 4), st.integers(0, 1))

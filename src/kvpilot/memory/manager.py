@@ -14,7 +14,7 @@ from kvpilot.errors import ConfigError, OutOfBlocks, require
 from kvpilot.memory.block_pool import BlockPool
 from kvpilot.memory.radix import RadixCache, RadixNode
 from kvpilot.memory.residency import TierResidency
-from kvpilot.memory.tiers import DEVICE, Tier
+from kvpilot.memory.tiers import Tier
 from kvpilot.memory.trajectory import ForkResult, Trajectory
 from kvpilot.memory.window import NULL_BLOCK, WindowPool
 
@@ -73,6 +73,10 @@ class KVManager:
                 config.window_block_bytes,
             )
         self.radix = RadixCache(config.block_size, self.pools, clock, config.model_fingerprint)
+        # What `free_blocks` reads (asked on every step): the device pool's free list and the
+        # radix's device tally, objects neither replaces.
+        self._device_free = self.device._free
+        self._device_tally = self.radix._device_tally
         self.trajectories: dict[int, Trajectory] = {}
         # The registered trajectories that hold device blocks (a non-empty table), kept by
         # the trajectories where their tables fill or empty: a load gauge read per sample.
@@ -118,8 +122,7 @@ class KVManager:
 
     def free_blocks(self) -> int:
         """Device blocks admission can count on: free now plus evictable from the cache."""
-        # num_free and evictable_blocks(DEVICE) read directly: asked on every step
-        return len(self.device._free) + self.radix._evictable[DEVICE]
+        return len(self._device_free) + self._device_tally.evictable
 
     def ensure_free(self, n: int) -> bool:
         short = n - self.device.num_free

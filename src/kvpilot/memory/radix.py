@@ -24,6 +24,7 @@ from kvpilot.memory.radix_node import (
     RadixNode,
     RadixObserver,
     RadixStats,
+    TierTally,
     as_token_array,
 )
 from kvpilot.memory.radix_reuse import RadixReuse
@@ -77,9 +78,11 @@ class RadixCache(RadixLookup, RadixReuse):
         self.stats = RadixStats()
         self._clock = clock if clock is not None else _counter_clock()
         self._roots: dict[str | None, RadixNode] = {}
-        self._cached = {tier: 0 for tier in Tier}
-        self._evictable = {tier: 0 for tier in Tier}
+        self._tally = {tier: TierTally() for tier in Tier}
+        self._device_tally = self._tally[DEVICE]  # the hot paths' tier
+        self._device_pool = self.pools[DEVICE]
         self._queues = EvictionQueues()
+        self._device_heap = self._queues._heaps[DEVICE]  # the queue keeps this list
         self._num_nodes = 0
         # The one optional sink for KV events (None: no event is built, no hash is computed).
         self.observer: RadixObserver | None = None
@@ -106,10 +109,10 @@ class RadixCache(RadixLookup, RadixReuse):
         return dict(self._roots)
 
     def cached_blocks(self, tier: Tier = Tier.DEVICE) -> int:
-        return self._cached[tier]
+        return self._tally[tier].cached
 
     def evictable_blocks(self, tier: Tier = Tier.DEVICE) -> int:
-        return self._evictable[tier]
+        return self._tally[tier].evictable
 
     @property
     def num_nodes(self) -> int:
@@ -188,8 +191,9 @@ class RadixCache(RadixLookup, RadixReuse):
             leaf = RadixNode(node, arr[offset // 4 :], {Tier.DEVICE: own}, None, now)
             node.children[query[offset : offset + step]] = leaf
             self._num_nodes += 1
-            self._cached[Tier.DEVICE] += len(own)
-            self._evictable[Tier.DEVICE] += len(own)
+            tally = self._device_tally
+            tally.cached += len(own)
+            tally.evictable += len(own)
             self._push(leaf, Tier.DEVICE)
             canonical.extend(own)
             taken += len(own)
@@ -239,19 +243,14 @@ class RadixCache(RadixLookup, RadixReuse):
         the checks of what the trajectory guarantees (``tokens`` an int32 array of exactly
         ``len(blocks) >= 1`` whole blocks, references it hands over)."""
         device = node.blocks.get(DEVICE)
-        if (  # `_growable`, inline (one call fewer per commit)
-            device is None
-            or node.lock_count != 1
-            or node.children
-            or len(node.blocks) != 1
-            or not node._alive
-            or not node.depth_tokens
-        ):
+        # `_growable`, inline and without its tests of a root or a dead node: neither holds a
+        # copy (a root's blocks are empty; a node dies only after every copy was released),
+        # so ``device`` is None for both.
+        if device is None or node.lock_count != 1 or node.children or len(node.blocks) != 1:
             return False
         n = len(blocks)
-        if node._hashes is not None or self.observer is not None:
-            # An observed tree keeps every node's hashes (reading them computes them).
-            hashes = node.hashes
+        hashes = node._hashes
+        if hashes is not None:  # an observed tree keeps every node's (`set_observer`)
             new = chain_bytes(hashes[-HASH_BYTES:], int32_bytes(tokens), self.block_size)
             node._hashes = hashes + new
             if self.observer is not None:
@@ -260,7 +259,7 @@ class RadixCache(RadixLookup, RadixReuse):
         device += blocks
         node.depth_tokens += n * self.block_size
         node.last_access = self._clock()
-        self._cached[DEVICE] += n
+        self._device_tally.cached += n
         self.stats.inserted_blocks += n
         return True
 
@@ -308,9 +307,10 @@ class RadixCache(RadixLookup, RadixReuse):
 
     def _attach_copy(self, node: RadixNode, tier: Tier, blocks: list[int]) -> None:
         node.blocks[tier] = blocks
-        self._cached[tier] += len(blocks)
+        tally = self._tally[tier]
+        tally.cached += len(blocks)
         if node.lock_count == 0:
-            self._evictable[tier] += len(blocks)
+            tally.evictable += len(blocks)
         self._push(node, tier)
 
     def drop_copy(self, node: RadixNode, tier: Tier) -> None:
@@ -323,6 +323,13 @@ class RadixCache(RadixLookup, RadixReuse):
 
     # ---- integrity -----------------------------------------------------------------------
 
+    def block_counts(self) -> dict[str, dict[Tier, int]]:
+        """The tallies as ``{"cached": {tier: blocks}, "evictable": {tier: blocks}}``."""
+        return {
+            "cached": {tier: t.cached for tier, t in self._tally.items()},
+            "evictable": {tier: t.evictable for tier, t in self._tally.items()},
+        }
+
     def check_invariants(self) -> None:
         check_radix(
             self.roots(),
@@ -330,5 +337,5 @@ class RadixCache(RadixLookup, RadixReuse):
             self.pools,
             self.model,
             self.num_nodes,
-            {"cached": self._cached, "evictable": self._evictable},
+            self.block_counts(),
         )

@@ -17,7 +17,7 @@ from abc import ABC, abstractmethod
 
 from kvpilot.memory.block_pool import BlockPool
 from kvpilot.memory.hashing import HASH_BYTES
-from kvpilot.memory.radix_node import RadixNode, RadixObserver, RadixStats
+from kvpilot.memory.radix_node import RadixNode, RadixObserver, RadixStats, TierTally
 from kvpilot.memory.tiers import Tier
 
 TIER_BIT = {Tier.DEVICE: 1, Tier.HOST: 2, Tier.DISK: 4}
@@ -58,7 +58,7 @@ class EvictionQueues:
             else:
                 entry[2]._queued &= ~bit
         heapq.heapify(kept)
-        self._heaps[tier] = kept
+        self._heaps[tier][:] = kept  # in place: the device list is also `_device_heap`
 
     def pop(self, tier: Tier) -> RadixNode | None:
         """The least recently used candidate in ``tier`` (None when there is none)."""
@@ -117,8 +117,10 @@ class RadixEviction(ABC):
     pools: dict[Tier, BlockPool]
     stats: RadixStats
     observer: RadixObserver | None
-    _cached: dict[Tier, int]
-    _evictable: dict[Tier, int]
+    _tally: dict[Tier, TierTally]  # per tier: blocks cached, blocks evictable
+    _device_tally: TierTally  # ``_tally[DEVICE]``
+    _device_pool: BlockPool  # ``pools[DEVICE]``
+    _device_heap: list[tuple[float, int, RadixNode]]  # ``_queues._heaps[DEVICE]``
     _num_nodes: int
     _queues: EvictionQueues
     # The non-root nodes whose lock count crossed between 1 and 2 (or that were split while
@@ -192,7 +194,7 @@ class RadixEviction(ABC):
         while n is not None and n is not stop:
             if n.lock_count == 0 and n.depth_tokens:
                 for tier, ids in n.blocks.items():
-                    self._evictable[tier] -= len(ids)
+                    self._tally[tier].evictable -= len(ids)
             n.lock_count += 1
             if n.lock_count == 2 and log is not None and n.depth_tokens:
                 log.append(n)
@@ -207,7 +209,7 @@ class RadixEviction(ABC):
             n.lock_count -= 1
             if n.lock_count == 0 and n.depth_tokens:
                 for tier, ids in n.blocks.items():
-                    self._evictable[tier] += len(ids)
+                    self._tally[tier].evictable += len(ids)
                     self._push(n, tier)
             elif n.lock_count == 1 and log is not None and n.depth_tokens:
                 log.append(n)
@@ -235,6 +237,7 @@ class RadixEviction(ABC):
         queues = self._queues
         heaps = queues._heaps
         pool = self.pools[tier]
+        tally = self._tally[tier]
         bs = self.block_size
         while freed < num_blocks:
             want = num_blocks - freed
@@ -279,8 +282,8 @@ class RadixEviction(ABC):
                 if node._hashes is not None:
                     node._hashes = node._hashes[: -want * HASH_BYTES]
                 node.depth_tokens -= want * bs
-                self._cached[tier] -= want
-                self._evictable[tier] -= want
+                tally.cached -= want
+                tally.evictable -= want
                 # `requeue_top`, called only when it has something to do (``heap`` is still
                 # the tier's list: `peek` fixes it in place, only a requeue compacts it)
                 n = len(heap)
@@ -308,9 +311,10 @@ class RadixEviction(ABC):
         if self.observer is not None:
             self.observer.evicted(tier, node.hashes)
         ids = node.blocks.pop(tier)
-        self._cached[tier] -= len(ids)
+        tally = self._tally[tier]
+        tally.cached -= len(ids)
         if node.lock_count == 0:
-            self._evictable[tier] -= len(ids)
+            tally.evictable -= len(ids)
         return self.pools[tier].decref_many(ids)
 
     def _after_release(self, node: RadixNode, tier: Tier) -> int:

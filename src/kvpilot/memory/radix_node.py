@@ -143,6 +143,19 @@ class RadixNode:
         )
 
 
+class TierTally:
+    """One tier's block counts in a radix tree: ``cached``, the blocks with a copy in the
+    tier, and ``evictable``, those of nodes no lock holds. Fields of a slotted object rather
+    than items of dicts keyed by tier: the device tier's change on every commit and eviction,
+    and updating a field costs half what updating a dict's item does."""
+
+    __slots__ = ("cached", "evictable")
+
+    def __init__(self) -> None:
+        self.cached = 0
+        self.evictable = 0
+
+
 @dataclass(frozen=True, slots=True)
 class MatchResult:
     """A snapshot: read it before the next match or insert (either may split path nodes)."""

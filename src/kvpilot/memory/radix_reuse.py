@@ -24,42 +24,39 @@ class RadixReuse(RadixEviction):
         the pair: nothing changed but what `evict` does first anyway (`peek` fixing the queue's
         stale top entries, after which a `peek` changes nothing).
         """
-        queues = self._queues
-        heap = queues._heaps[DEVICE]
+        heap = self._device_heap
         if not heap:
             return -1
         key, _, node = heap[0]
         ids = node.blocks.get(DEVICE)
-        if (  # evict's ``hot`` test: a fresh top entry, a candidate
-            ids is None
-            or key != node.last_access
-            or node.lock_count
-            or not node._alive
-            or not node.depth_tokens
-            or node.children
-        ):
-            peeked = queues.peek(DEVICE)  # as `evict` would, fixing the heap in place
-            if peeked is None:
+        # evict's ``hot`` test, a fresh top entry that is a childless candidate, without its
+        # tests of a root or a dead node: neither is ever queued with a copy (`push` queues
+        # candidates only; a node dies only after every copy was released).
+        if ids is None or key != node.last_access or node.lock_count or node.children:
+            peeked = self._queues.peek(DEVICE)  # as `evict` would, fixing the heap in place
+            if peeked is None or peeked.children:  # none, or not a trim
                 return -1
             node = peeked
             key = node.last_access
             ids = node.blocks[DEVICE]
-        if len(ids) < 2 or node.children or len(node.blocks) != 1:  # not a trim
+        if len(ids) < 2 or len(node.blocks) != 1:  # not a trim
             return -1
-        pool = self.pools[DEVICE]
+        pool = self._device_pool
         block = ids[-1]
         if pool._refcounts[block] != 1 or pool.on_free is not None:
             return -1
-        if self.observer is not None:
-            self.observer.evicted(DEVICE, node.hashes[-HASH_BYTES:])
+        hashes = node._hashes
+        if hashes is not None:  # an observed tree keeps every node's (`set_observer`)
+            if self.observer is not None:
+                self.observer.evicted(DEVICE, hashes[-HASH_BYTES:])
+            node._hashes = hashes[:-HASH_BYTES]
         ids.pop()
         bs = self.block_size
         del node.tokens[-bs:]
-        if node._hashes is not None:
-            node._hashes = node._hashes[:-HASH_BYTES]
         node.depth_tokens -= bs
-        self._cached[DEVICE] -= 1
-        self._evictable[DEVICE] -= 1
+        tally = self._device_tally
+        tally.cached -= 1
+        tally.evictable -= 1
         n = len(heap)  # `requeue_top`, when it has something to do (as in `evict`)
         if (
             (n > 1 and heap[1][0] <= key)
@@ -84,7 +81,7 @@ class RadixReuse(RadixEviction):
         otherwise None, and the caller does the pair: nothing changed but `peek` fixing the
         queue's stale top entries, which `evict` does first anyway.
         """
-        pool = self.pools[DEVICE]
+        pool = self._device_pool
         short = n - len(pool._free)
         if short <= 0:
             return pool.allocate(n)
@@ -99,17 +96,19 @@ class RadixReuse(RadixEviction):
         for block in tail:
             if refs[block] != 1:  # someone else holds it too: `evict` would not free it
                 return None
-        if self.observer is not None:
-            self.observer.evicted(DEVICE, node.hashes[-short * HASH_BYTES :])
+        hashes = node._hashes
+        if hashes is not None:  # an observed tree keeps every node's (`set_observer`)
+            if self.observer is not None:
+                self.observer.evicted(DEVICE, hashes[-short * HASH_BYTES :])
+            node._hashes = hashes[: -short * HASH_BYTES]
         key = node.last_access
         del ids[-short:]
         del node.tokens[-short * self.block_size :]
-        if node._hashes is not None:
-            node._hashes = node._hashes[: -short * HASH_BYTES]
         node.depth_tokens -= short * self.block_size
-        self._cached[DEVICE] -= short
-        self._evictable[DEVICE] -= short
-        heap = self._queues._heaps[DEVICE]
+        tally = self._device_tally
+        tally.cached -= short
+        tally.evictable -= short
+        heap = self._device_heap
         size = len(heap)  # `requeue_top`, when it has something to do (as in `evict`)
         if (
             (size > 1 and heap[1][0] <= key)
