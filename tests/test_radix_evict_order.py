@@ -48,7 +48,6 @@ class PopPushCache(RadixCache):
         if node._hashes is not None:
             node._hashes = node._hashes[: -n * HASH_BYTES]
         node.depth_tokens -= n * self.block_size
-        self._tally[tier].cached -= n
         self._tally[tier].evictable -= n
         self._push(node, tier)
         return self.pools[tier].decref_many(tail)

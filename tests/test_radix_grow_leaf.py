@@ -56,7 +56,7 @@ def reference_grow(cache: RadixCache, node: RadixNode, tokens: array, blocks: li
     device.extend(blocks)
     node.depth_tokens += len(blocks) * B
     node.last_access = cache._clock()
-    cache._tally[Tier.DEVICE].cached += len(blocks)
+    cache._tally[Tier.DEVICE].locked += len(blocks)
     cache.stats.inserted_blocks += len(blocks)
     return True
 

@@ -109,7 +109,8 @@ class RadixCache(RadixLookup, RadixReuse):
         return dict(self._roots)
 
     def cached_blocks(self, tier: Tier = Tier.DEVICE) -> int:
-        return self._tally[tier].cached
+        tally = self._tally[tier]
+        return tally.evictable + tally.locked
 
     def evictable_blocks(self, tier: Tier = Tier.DEVICE) -> int:
         return self._tally[tier].evictable
@@ -191,9 +192,7 @@ class RadixCache(RadixLookup, RadixReuse):
             leaf = RadixNode(node, arr[offset // 4 :], {Tier.DEVICE: own}, None, now)
             node.children[query[offset : offset + step]] = leaf
             self._num_nodes += 1
-            tally = self._device_tally
-            tally.cached += len(own)
-            tally.evictable += len(own)
+            self._device_tally.evictable += len(own)  # a new leaf: unlocked
             self._push(leaf, Tier.DEVICE)
             canonical.extend(own)
             taken += len(own)
@@ -259,7 +258,7 @@ class RadixCache(RadixLookup, RadixReuse):
         device += blocks
         node.depth_tokens += n * self.block_size
         node.last_access = self._clock()
-        self._device_tally.cached += n
+        self._device_tally.locked += n  # the leaf is locked
         self.stats.inserted_blocks += n
         return True
 
@@ -307,10 +306,10 @@ class RadixCache(RadixLookup, RadixReuse):
 
     def _attach_copy(self, node: RadixNode, tier: Tier, blocks: list[int]) -> None:
         node.blocks[tier] = blocks
-        tally = self._tally[tier]
-        tally.cached += len(blocks)
         if node.lock_count == 0:
-            tally.evictable += len(blocks)
+            self._tally[tier].evictable += len(blocks)
+        else:
+            self._tally[tier].locked += len(blocks)
         self._push(node, tier)
 
     def drop_copy(self, node: RadixNode, tier: Tier) -> None:
@@ -326,7 +325,7 @@ class RadixCache(RadixLookup, RadixReuse):
     def block_counts(self) -> dict[str, dict[Tier, int]]:
         """The tallies as ``{"cached": {tier: blocks}, "evictable": {tier: blocks}}``."""
         return {
-            "cached": {tier: t.cached for tier, t in self._tally.items()},
+            "cached": {tier: t.evictable + t.locked for tier, t in self._tally.items()},
             "evictable": {tier: t.evictable for tier, t in self._tally.items()},
         }
 

@@ -117,7 +117,7 @@ class RadixEviction(ABC):
     pools: dict[Tier, BlockPool]
     stats: RadixStats
     observer: RadixObserver | None
-    _tally: dict[Tier, TierTally]  # per tier: blocks cached, blocks evictable
+    _tally: dict[Tier, TierTally]  # per tier: blocks evictable and locked
     _device_tally: TierTally  # ``_tally[DEVICE]``
     _device_pool: BlockPool  # ``pools[DEVICE]``
     _device_heap: list[tuple[float, int, RadixNode]]  # ``_queues._heaps[DEVICE]``
@@ -194,7 +194,9 @@ class RadixEviction(ABC):
         while n is not None and n is not stop:
             if n.lock_count == 0 and n.depth_tokens:
                 for tier, ids in n.blocks.items():
-                    self._tally[tier].evictable -= len(ids)
+                    tally = self._tally[tier]
+                    tally.evictable -= len(ids)
+                    tally.locked += len(ids)
             n.lock_count += 1
             if n.lock_count == 2 and log is not None and n.depth_tokens:
                 log.append(n)
@@ -209,7 +211,9 @@ class RadixEviction(ABC):
             n.lock_count -= 1
             if n.lock_count == 0 and n.depth_tokens:
                 for tier, ids in n.blocks.items():
-                    self._tally[tier].evictable += len(ids)
+                    tally = self._tally[tier]
+                    tally.evictable += len(ids)
+                    tally.locked -= len(ids)
                     self._push(n, tier)
             elif n.lock_count == 1 and log is not None and n.depth_tokens:
                 log.append(n)
@@ -282,7 +286,6 @@ class RadixEviction(ABC):
                 if node._hashes is not None:
                     node._hashes = node._hashes[: -want * HASH_BYTES]
                 node.depth_tokens -= want * bs
-                tally.cached -= want
                 tally.evictable -= want
                 # `requeue_top`, called only when it has something to do (``heap`` is still
                 # the tier's list: `peek` fixes it in place, only a requeue compacts it)
@@ -311,10 +314,10 @@ class RadixEviction(ABC):
         if self.observer is not None:
             self.observer.evicted(tier, node.hashes)
         ids = node.blocks.pop(tier)
-        tally = self._tally[tier]
-        tally.cached -= len(ids)
         if node.lock_count == 0:
-            tally.evictable -= len(ids)
+            self._tally[tier].evictable -= len(ids)
+        else:
+            self._tally[tier].locked -= len(ids)
         return self.pools[tier].decref_many(ids)
 
     def _after_release(self, node: RadixNode, tier: Tier) -> int:

@@ -144,16 +144,19 @@ class RadixNode:
 
 
 class TierTally:
-    """One tier's block counts in a radix tree: ``cached``, the blocks with a copy in the
-    tier, and ``evictable``, those of nodes no lock holds. Fields of a slotted object rather
-    than items of dicts keyed by tier: the device tier's change on every commit and eviction,
-    and updating a field costs half what updating a dict's item does."""
+    """One tier's blocks in a radix tree, split by whether a lock holds their node:
+    ``evictable`` (no lock) and ``locked``; the blocks cached in the tier are their sum.
 
-    __slots__ = ("cached", "evictable")
+    Kept split so that each hot path changes one count: a commit grows a locked leaf, an
+    eviction trims an unlocked one (only a lock or an unlock moves blocks between the two).
+    Fields of a slotted object rather than items of dicts keyed by tier: updating a field
+    costs half what updating a dict's item does."""
+
+    __slots__ = ("evictable", "locked")
 
     def __init__(self) -> None:
-        self.cached = 0
         self.evictable = 0
+        self.locked = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -54,9 +54,7 @@ class RadixReuse(RadixEviction):
         bs = self.block_size
         del node.tokens[-bs:]
         node.depth_tokens -= bs
-        tally = self._device_tally
-        tally.cached -= 1
-        tally.evictable -= 1
+        self._device_tally.evictable -= 1  # the leaf is unlocked
         n = len(heap)  # `requeue_top`, when it has something to do (as in `evict`)
         if (
             (n > 1 and heap[1][0] <= key)
@@ -105,9 +103,7 @@ class RadixReuse(RadixEviction):
         del ids[-short:]
         del node.tokens[-short * self.block_size :]
         node.depth_tokens -= short * self.block_size
-        tally = self._device_tally
-        tally.cached -= short
-        tally.evictable -= short
+        self._device_tally.evictable -= short  # the leaf is unlocked
         heap = self._device_heap
         size = len(heap)  # `requeue_top`, when it has something to do (as in `evict`)
         if (
