@@ -226,3 +226,29 @@ def test_a_trajectory_admitted_under_a_full_pool_takes_its_blocks_in_one_call() 
     other.allocate(3 * B)  # the leaf holds three: evicted whole, through the pair
     assert other.block_table == [cached[2], cached[1], cached[0]]
     assert kv.radix.cached_blocks() == 0 and kv.device.num_free == 0
+
+
+def test_a_fresh_top_entry_whose_node_gained_a_child_is_not_trimmed() -> None:
+    """The fast paths' hot test takes a fresh top entry for the candidate only when its node
+    has no children: a leaf queued, then extended below at the same access time, is no longer
+    one (its child is), and both paths give what the pair gives."""
+    for reuse in (True, False):
+        caches = []
+        for _ in range(2):
+            pool = BlockPool(6)
+            cache = RadixCache(B, {Tier.DEVICE: pool}, clock=lambda: 0.0)
+            for tokens in (STREAMS[0][:4], STREAMS[0]):  # 2 blocks, then 2 more below them
+                ids = pool.allocate(len(tokens) // B)
+                cache.insert(tokens, ids)
+                pool.free(ids)
+            pool.allocate(pool.num_free)  # full
+            caches.append(cache)
+        fast, slow = caches
+        top = fast._device_heap[0][2]
+        assert top.children and top.last_access == fast._device_heap[0][0]
+        slow.evict(1)
+        expected = slow.pools[Tier.DEVICE].allocate(1)
+        got = [fast.evict_one_for_reuse()] if reuse else fast.evict_and_allocate(1)
+        assert got == expected
+        assert state(fast) == state(slow)
+        fast.check_invariants()

@@ -83,11 +83,21 @@ class RadixReuse(RadixEviction):
         short = n - len(pool._free)
         if short <= 0:
             return pool.allocate(n)
-        node = self._queues.peek(DEVICE)  # evict's first candidate
-        if node is None or pool.on_free is not None:
+        if pool.on_free is not None:
             return None
-        ids = node.blocks[DEVICE]
-        if len(ids) <= short or node.children or len(node.blocks) != 1:  # not one trim
+        heap = self._device_heap
+        if not heap:
+            return None
+        key, _, node = heap[0]  # evict's first candidate: a fresh top entry, as above
+        ids = node.blocks.get(DEVICE)
+        if ids is None or key != node.last_access or node.lock_count or node.children:
+            peeked = self._queues.peek(DEVICE)  # as `evict` would, fixing the heap in place
+            if peeked is None or peeked.children:  # none, or not a trim
+                return None
+            node = peeked
+            key = node.last_access
+            ids = node.blocks[DEVICE]
+        if len(ids) <= short or len(node.blocks) != 1:  # not one trim
             return None
         tail = ids[-short:]
         refs = pool._refcounts
@@ -99,12 +109,10 @@ class RadixReuse(RadixEviction):
             if self.observer is not None:
                 self.observer.evicted(DEVICE, hashes[-short * HASH_BYTES :])
             node._hashes = hashes[: -short * HASH_BYTES]
-        key = node.last_access
         del ids[-short:]
         del node.tokens[-short * self.block_size :]
         node.depth_tokens -= short * self.block_size
         self._device_tally.evictable -= short  # the leaf is unlocked
-        heap = self._device_heap
         size = len(heap)  # `requeue_top`, when it has something to do (as in `evict`)
         if (
             (size > 1 and heap[1][0] <= key)

@@ -161,7 +161,7 @@ class TierResidency:
         """The deepest part of the trajectory's path that no one else locks, deepest first."""
         nodes: list[RadixNode] = []
         node: RadixNode | None = traj.locked_node
-        while node is not None and not node.is_root and node.lock_count == 1:
+        while node is not None and node.depth_tokens and node.lock_count == 1:  # not a root
             nodes.append(node)
             node = node.parent
         return nodes
