@@ -241,11 +241,12 @@ class RadixCache(RadixLookup, RadixReuse):
         """`extend_leaf` with ``adopt``, for a trajectory's commit (the hot path): without
         the checks of what the trajectory guarantees (``tokens`` an int32 array of exactly
         ``len(blocks) >= 1`` whole blocks, references it hands over)."""
-        device = node.blocks.get(DEVICE)
+        copies = node.blocks
+        device = copies.get(DEVICE)
         # `_growable`, inline and without its tests of a root or a dead node: neither holds a
         # copy (a root's blocks are empty; a node dies only after every copy was released),
         # so ``device`` is None for both.
-        if device is None or node.lock_count != 1 or node.children or len(node.blocks) != 1:
+        if device is None or len(copies) != 1 or node.lock_count != 1 or node.children:
             return False
         n = len(blocks)
         hashes = node._hashes
