@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from kvpilot.memory.block_pool import BlockPool
 from kvpilot.memory.hashing import HASH_BYTES, chain_bytes, int32_bytes, root_hash
 from kvpilot.memory.radix_check import check_radix
-from kvpilot.memory.radix_evict import EvictionQueues
+from kvpilot.memory.radix_evict import EvictionQueues, queue_limit
 from kvpilot.memory.radix_lookup import RadixLookup
 from kvpilot.memory.radix_node import (
     InsertResult,
@@ -84,6 +84,7 @@ class RadixCache(RadixLookup, RadixReuse):
         self._queues = EvictionQueues()
         self._device_heap = self._queues._heaps[DEVICE]  # the queue keeps this list
         self._num_nodes = 0
+        self._queue_limit = queue_limit(0)
         # The one optional sink for KV events (None: no event is built, no hash is computed).
         self.observer: RadixObserver | None = None
         self._lock_log = None
@@ -192,6 +193,7 @@ class RadixCache(RadixLookup, RadixReuse):
             leaf = RadixNode(node, arr[offset // 4 :], {Tier.DEVICE: own}, None, now)
             node.children[query[offset : offset + step]] = leaf
             self._num_nodes += 1
+            self._queue_limit += 2
             self._device_tally.evictable += len(own)  # a new leaf: unlocked
             self._push(leaf, Tier.DEVICE)
             canonical.extend(own)
@@ -284,6 +286,7 @@ class RadixCache(RadixLookup, RadixReuse):
         node.parent = upper
         upper.children[node.tokens[:bs].tobytes()] = node
         self._num_nodes += 1
+        self._queue_limit += 2
         if node.lock_count == 1 and self._lock_log is not None:
             self._lock_log.append(node)
         return upper
@@ -339,3 +342,5 @@ class RadixCache(RadixLookup, RadixReuse):
             self.num_nodes,
             self.block_counts(),
         )
+        if self._queue_limit != queue_limit(self._num_nodes):
+            raise AssertionError(f"the queue limit {self._queue_limit} drifted from the node count")

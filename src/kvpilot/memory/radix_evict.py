@@ -33,20 +33,26 @@ def is_candidate(node: RadixNode, tier: Tier) -> bool:
     )
 
 
+def queue_limit(live_nodes: int) -> int:
+    """The length past which a tier's queue is compacted: two entries per live node, and slack."""
+    return 2 * live_nodes + 1024
+
+
 class EvictionQueues:
     def __init__(self) -> None:
         self._heaps: dict[Tier, list[tuple[float, int, RadixNode]]] = {tier: [] for tier in Tier}
         self._seq = itertools.count()
 
-    def push(self, node: RadixNode, tier: Tier, live_nodes: int) -> None:
-        """Queue ``node`` in ``tier`` if it is a candidate there and not queued yet."""
+    def push(self, node: RadixNode, tier: Tier, limit: int) -> None:
+        """Queue ``node`` in ``tier`` if it is a candidate there and not queued yet (then
+        compact the queue if longer than ``limit``, `queue_limit`)."""
         bit = TIER_BIT[tier]
         if node._queued & bit or not is_candidate(node, tier):
             return
         node._queued |= bit
         heap = self._heaps[tier]
         heapq.heappush(heap, (node.last_access, next(self._seq), node))
-        if len(heap) > 2 * live_nodes + 1024:
+        if len(heap) > limit:
             self._compact(tier)
 
     def _compact(self, tier: Tier) -> None:
@@ -90,7 +96,7 @@ class EvictionQueues:
                 return node
         return None
 
-    def requeue_top(self, tier: Tier, live_nodes: int) -> None:
+    def requeue_top(self, tier: Tier, limit: int) -> None:
         """The candidate `peek` returned stays one: queue it anew (behind others of its access
         time), exactly as `pop` then `push` would, with one sift at most."""
         heap = self._heaps[tier]
@@ -101,7 +107,7 @@ class EvictionQueues:
         # leaving the entry as it is pops in the same order as a fresh one would.
         if (size > 1 and heap[1][0] <= key) or (size > 2 and heap[2][0] <= key):
             heapq.heapreplace(heap, (key, next(self._seq), heap[0][2]))
-        if size > 2 * live_nodes + 1024:
+        if size > limit:
             self._compact(tier)
 
     @staticmethod
@@ -122,6 +128,7 @@ class RadixEviction(ABC):
     _device_pool: BlockPool  # ``pools[DEVICE]``
     _device_heap: list[tuple[float, int, RadixNode]]  # ``_queues._heaps[DEVICE]``
     _num_nodes: int
+    _queue_limit: int  # `queue_limit` of ``_num_nodes``, kept with it (read per eviction)
     _queues: EvictionQueues
     # The non-root nodes whose lock count crossed between 1 and 2 (or that were split while
     # locked once), for the idle-held tally (`watch_locks`); None: nobody watches.
@@ -293,9 +300,9 @@ class RadixEviction(ABC):
                 if (
                     (n > 1 and heap[1][0] <= key)
                     or (n > 2 and heap[2][0] <= key)
-                    or n > 2 * self._num_nodes + 1024
+                    or n > self._queue_limit
                 ):
-                    queues.requeue_top(tier, self._num_nodes)
+                    queues.requeue_top(tier, self._queue_limit)
                 if tail is None:
                     freed += pool.decref_one(block)
                 else:
@@ -348,7 +355,8 @@ class RadixEviction(ABC):
             node.parent = None
             node._alive = False
             self._num_nodes -= 1
+            self._queue_limit -= 2
         return freed
 
     def _push(self, node: RadixNode, tier: Tier) -> None:
-        self._queues.push(node, tier, self._num_nodes)
+        self._queues.push(node, tier, self._queue_limit)

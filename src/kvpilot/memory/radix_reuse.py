@@ -56,12 +56,8 @@ class RadixReuse(RadixEviction):
         node.depth_tokens -= bs
         self._device_tally.evictable -= 1  # the leaf is unlocked
         n = len(heap)  # `requeue_top`, when it has something to do (as in `evict`)
-        if (
-            (n > 1 and heap[1][0] <= key)
-            or (n > 2 and heap[2][0] <= key)
-            or n > 2 * self._num_nodes + 1024
-        ):
-            self._queues.requeue_top(DEVICE, self._num_nodes)
+        if (n > 1 and heap[1][0] <= key) or (n > 2 and heap[2][0] <= key) or n > self._queue_limit:
+            self._queues.requeue_top(DEVICE, self._queue_limit)
         self.stats.evicted_blocks += 1
         return block
 
@@ -117,9 +113,9 @@ class RadixReuse(RadixEviction):
         if (
             (size > 1 and heap[1][0] <= key)
             or (size > 2 and heap[2][0] <= key)
-            or size > 2 * self._num_nodes + 1024
+            or size > self._queue_limit
         ):
-            self._queues.requeue_top(DEVICE, self._num_nodes)
+            self._queues.requeue_top(DEVICE, self._queue_limit)
         self.stats.evicted_blocks += short
         tail.reverse()
         if short < n:  # the free list's blocks follow, as `allocate` pops them
