@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvpilot.engine.clock import VirtualClock
-from kvpilot.engine.decode_run import TokenStream
 from kvpilot.engine.executor import SeqWork, StepOutput
+from kvpilot.engine.run_protocols import TokenStream
 from kvpilot.errors import ConfigError
 from kvpilot.memory.hashing import ModelFingerprint
 from kvpilot.sim.batch_shape import BatchShape, decode_run_shape, shared_kv_tokens, window_pairs
@@ -46,7 +46,7 @@ _new_shape = tuple.__new__
 
 class SimulatedRunner:
     """Implements `kvpilot.engine.executor.Executor` with a cost model and a virtual clock,
-    and `kvpilot.engine.decode_run.DecodeRunExecutor` (many decode-only steps at once).
+    and `kvpilot.engine.run_protocols.DecodeRunExecutor` (many decode-only steps at once).
 
     Counters: ``busy_s`` (time spent in steps and copies), ``steps``, ``copied_blocks``, and
     ``recomputed_tokens``: KV positions a sequence computes a second time (after a

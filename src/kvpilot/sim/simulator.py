@@ -233,7 +233,7 @@ class Simulator:
         self._telemetry.flush()
         self.wall_s = time.perf_counter() - wall0
 
-    # -- samples inside decode runs (`kvpilot.engine.decode_run.RunLookout`) --------------
+    # -- samples inside decode runs (`kvpilot.engine.run_protocols.RunLookout`) --------------
 
     def plan_looks(self, starts: Sequence[float]) -> tuple[list[int], int]:
         """The step boundaries of a decode run (clock times ``starts``) at which the loop
