@@ -7,6 +7,7 @@ after the other see different machines, and the error would mostly say how far i
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
@@ -149,24 +150,13 @@ def _calibrate_checked(
     from kvpilot.sim import calibrate as cal
     from kvpilot.sim import paired
     from kvpilot.sim.measured import model_limit
-    from kvpilot.sim.replay import ReplayOptions, load_replay
+    from kvpilot.sim.replay import load_replay
 
     cap = limits.max_call_tokens
     if cap is None:
         cap = model_limit(model, kv_blocks=kv_blocks) - (limits.max_output_tokens or 1)
-    replay = load_replay(
-        paths,
-        ReplayOptions(
-            vocab_size=32000,
-            tokenize=cal.tokenizer_of(model),
-            max_output_tokens=limits.max_output_tokens,
-            head_tokens=limits.head_tokens,
-            max_call_tokens=cap,
-            max_sessions=limits.max_sessions,
-            max_calls=limits.max_calls,
-            min_calls=limits.min_calls,
-        ),
-    )
+    options = dataclasses.replace(limits, tokenize=cal.tokenizer_of(model), max_call_tokens=cap)
+    replay = load_replay(paths, options)
     with Progress(console=console, transient=True, disable=as_json) as bar:
         task = bar.add_task("calibrating alongside real replays", total=passes)
         measured = paired.calibrate_with_replays(
