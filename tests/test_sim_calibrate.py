@@ -191,6 +191,9 @@ def test_calibrate_check_replays_up_to_the_models_limit(tmp_path, monkeypatch) -
     result = CliRunner().invoke(app, [*args, "--kv-blocks", "500"])  # 8,000 tokens of pool
     assert result.exit_code == 0, result.output
     assert seen[-1] == [5000, 6000, 7000]
+    result = CliRunner().invoke(app, [*args, "--passes", "0"])
+    assert result.exit_code == 2 and "--passes" in result.output
+    assert len(asked) == 3  # refused before any work
     result = CliRunner().invoke(app, [*args, "--max-call-tokens", "4000"])
     assert result.exit_code == 2
     assert "the shortest first call has 5,000 tokens: raise --max-call-tokens" in " ".join(

@@ -53,7 +53,8 @@ def calibrate(
         int,
         typer.Option(
             help="Real replays for --check, interleaved with the calibration steps (more "
-            "if one whole calibration plan has not run by then)."
+            "if one whole calibration plan has not run by then).",
+            min=1,
         ),
     ] = 2,
     sessions: Annotated[int | None, typer.Option(help=HELP_SESSIONS)] = 2,
