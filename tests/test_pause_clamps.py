@@ -5,6 +5,7 @@ divides once for its two meters, the same as observing each."""
 
 from __future__ import annotations
 
+import bisect
 import math
 
 from hypothesis import example, given, settings
@@ -82,11 +83,11 @@ def test_prefill_meter_equals_observing_each_meter(steps: list[tuple[int, float,
     overall = RateMeter()
     for tokens, seconds, context in steps:
         meter.observe(tokens, seconds, context)
-        buckets[meter._bucket(context)].observe(tokens, seconds)
+        buckets[bisect.bisect_left(meter.BOUNDS, context)].observe(tokens, seconds)
         overall.observe(tokens, seconds)
     for got, want in zip([*meter.buckets, meter.overall], [*buckets, overall], strict=True):
         assert (got.value, got.samples) == (want.value, want.samples)
     for context in (0, 1024, 1025, 70_000):
         assert meter.tokens_per_s(context, 7.0) == (
-            buckets[meter._bucket(context)].get(overall.get(7.0))
+            buckets[bisect.bisect_left(meter.BOUNDS, context)].get(overall.get(7.0))
         )

@@ -3,7 +3,7 @@ and admission that keeps a hybrid model's window pool from running out.
 
 When the pause rule retained a paused session's state (it is back soon), a new request
 whose admission needs that state's device blocks would make it give way
-(`OffloadManager.reclaim`), and the session would recompute what it lost on its return.
+(`kvpilot.engine.reclaim`), and the session would recompute what it lost on its return.
 `HotStateGuard` holds such a request back instead while that is the cheaper way: while the
 state it would evict is expected back sooner than recomputing the evicted part would take
 (the engine idles at most that long; with other work running it does not idle at all), and
@@ -28,13 +28,14 @@ from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING
 
 from kvpilot.engine.config import SchedulerConfig
-from kvpilot.engine.offload import DEFAULT_PREFILL_TOKENS_PER_S, OffloadManager, PausableSession
+from kvpilot.engine.offload import OffloadManager, PausableSession
 from kvpilot.engine.pause_pricing import next_use
 from kvpilot.engine.preemption import SwapPreemption
 from kvpilot.engine.scheduler import AdmissionHooks
 from kvpilot.engine.tier_stats import PauseState
 from kvpilot.memory import KVManager, Trajectory
 from kvpilot.memory.window import WindowPool
+from kvpilot.policy.meters import DEFAULT_PREFILL_TOKENS_PER_S
 
 if TYPE_CHECKING:
     from kvpilot.engine.request import Sequence

@@ -100,7 +100,7 @@ class OffloadManager:
         self.mover = TierMover(kv, self.stats, clock, transport, disk)
         # Fixed when the mover is built, and read by every pause.
         self.block_bytes = self.mover.block_bytes or 1
-        self._host = self.mover.host_pool if self.mover.has_host else None
+        self.host = self.mover.host_pool if self.mover.has_host else None  # None: no host tier
         self.prefill = PrefillRateMeter()
         self.waits = WaitPredictor(config.default_tool_wait_s)
         self.records = PauseBook()
@@ -215,7 +215,7 @@ class OffloadManager:
     ) -> PauseInputs:
         """`pause_inputs` from the sums over the exclusive nodes."""
         mover, bb, records = self.mover, self.block_bytes, self.records
-        host_free, host_pressure = pricing.host_room_of(self._host, self.radix, bb, records)
+        host_free, host_pressure = pricing.host_room_of(self.host, self.radix, bb, records)
         kv_bytes = float(blocks * bb)
         waits = self.waits.by_tool.get(tool, ()) if tool and self.tool_waits_read else ()
         return PauseInputs(  # positional, in field order (see `pause`'s record)

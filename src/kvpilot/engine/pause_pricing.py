@@ -11,13 +11,12 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, TypeVar
 
 from kvpilot.engine.pause_book import PauseBook
-from kvpilot.engine.tier_stats import PauseRecord, PauseState
+from kvpilot.engine.tier_stats import PauseRecord
 from kvpilot.memory import Tier, Trajectory
 from kvpilot.policy.breakeven import PauseAction, PauseDecision
 
 # Module constants: an enum member's class attribute lookup is slow, and every pause reads these.
 DEVICE, HOST = Tier.DEVICE, Tier.HOST
-RETAINED, PREFETCHED, OFFLOADED = PauseState.RETAINED, PauseState.PREFETCHED, PauseState.OFFLOADED
 OFFLOAD_HOST, OFFLOAD_DISK = PauseAction.OFFLOAD_HOST, PauseAction.OFFLOAD_DISK
 
 

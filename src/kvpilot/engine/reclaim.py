@@ -81,8 +81,7 @@ def _disk_demotion(
     if mover.disk is None or mover.transport is None or not nodes:
         return None
     kv_bytes = sum(n.num_blocks for n in nodes) * bb
-    host = mover.host_pool if mover.has_host else None
-    if pricing.host_room_of(host, offload.radix, bb, offload.records)[0] >= kv_bytes:
+    if pricing.host_room_of(offload.host, offload.radix, bb, offload.records)[0] >= kv_bytes:
         return None
     rate = offload.prefill.tokens_per_s(len(traj.tokens), DEFAULT_PREFILL_TOKENS_PER_S)
     tokens = sum(len(n.tokens) for n in nodes)

@@ -100,7 +100,7 @@ class PauseThresholds:
 
 DEFAULT_THRESHOLDS = PauseThresholds()
 # In the engine, device memory under the admission ceiling is not contended: when admission
-# needs room, idle state in its way is demoted then (`OffloadManager.reclaim`). Memory's
+# needs room, idle state in its way is demoted then (`kvpilot.engine.reclaim`). Memory's
 # shadow price is zero while that constraint is slack, so a pause moves state only once
 # pressure reaches 1 (work waiting for memory, or held usage at tau_high). Measured on
 # bench_pause's simulated node: at 0.5 the rule moved state the device had room for, filled
@@ -115,7 +115,7 @@ ENGINE_THRESHOLDS = PauseThresholds(
 )
 
 
-@dataclass(slots=True, unsafe_hash=True)  # a value, not frozen: see `PauseInputs`
+@dataclass(slots=True, unsafe_hash=True)  # a value, not frozen: see `pause_inputs.PauseInputs`
 class PauseDecision:
     """The action, a sentence saying why, and every figure the rule looked at.
 

@@ -54,19 +54,16 @@ class PrefillRateMeter:
         self.buckets = [RateMeter() for _ in range(len(self.BOUNDS) + 1)]
         self.overall = RateMeter()
 
-    def _bucket(self, context_tokens: int) -> int:
-        return bisect.bisect_left(self.BOUNDS, context_tokens)
-
     def observe(self, prefill_tokens: int, seconds: float, context_tokens: int) -> None:
         # Every engine step with a prefill: the rate checked and worked out once for both.
         if prefill_tokens <= 0 or seconds <= 0:
             return
         rate = prefill_tokens / seconds
-        self.buckets[bisect.bisect_left(self.BOUNDS, context_tokens)].add(rate)  # `_bucket`
+        self.buckets[bisect.bisect_left(self.BOUNDS, context_tokens)].add(rate)
         self.overall.add(rate)
 
     def tokens_per_s(self, context_tokens: int, default: float) -> float:
-        meter = self.buckets[bisect.bisect_left(self.BOUNDS, context_tokens)]  # `_bucket`
+        meter = self.buckets[bisect.bisect_left(self.BOUNDS, context_tokens)]
         if meter.value is not None:
             return meter.value
         return self.overall.get(default)
