@@ -175,3 +175,24 @@ def test_fork_or_defer_defers_when_asked_or_out_of_blocks() -> None:
     assert short.deferred and short.child.num_computed_tokens == 0
     mgr.device.free(taken)
     mgr.check_invariants()
+
+
+def test_a_decode_runs_bad_counts_are_refused_and_change_nothing() -> None:
+    """`extend_run` and `computed_in_run` (a decode run's bulk calls) refuse counts past the
+    tokens or the table with a ValueError, before touching the trajectory."""
+    from array import array
+
+    traj = make_manager().open_trajectory()
+    turn(traj, range(6))  # 6 tokens computed, in 2 blocks of 4
+    before = (list(traj.tokens), traj.num_computed_tokens)
+    with pytest.raises(ValueError, match="cannot mark"):
+        traj.extend_run(array("i", [7, 8]), 9)  # 8 tokens after it, not 9
+    with pytest.raises(ValueError, match="cannot mark"):
+        traj.extend_run(array("i", [7, 8]), 5)  # fewer than already computed
+    assert (list(traj.tokens), traj.num_computed_tokens) == before
+    traj.extend_run(array("i", [7, 8]), 8)
+    assert list(traj.tokens) == [*range(6), 7, 8] and traj.num_computed_tokens == 8
+    with pytest.raises(ValueError):
+        traj.computed_in_run(9)  # past the tokens
+    traj.computed_in_run(7)
+    assert traj.num_computed_tokens == 7

@@ -258,15 +258,7 @@ class EngineCore:
         # A request scheduled this step was unfinished before it (a finished one is filed
         # and never scheduled again): only those that finished now are filed. Most steps
         # finish none.
-        finished: list[RequestOutput] = []
-        if ended:
-            done = self._finished_outputs
-            for request in dict.fromkeys(ended):
-                self._finish_request_if_done(request)
-                output = done.get(request.request_id)
-                if output is not None:
-                    finished.append(output)
-        return finished
+        return self._finish(dict.fromkeys(ended)) if ended else []
 
     def end_decode_run(self, last: list[tuple[Sequence, int]], now: float) -> list[RequestOutput]:
         """A decode run's last step sampled these sequences' last tokens at ``now``: append
@@ -277,6 +269,10 @@ class EngineCore:
             self._append_token(seq, token, now)
             if seq.request not in requests:
                 requests.append(seq.request)
+        return self._finish(requests)
+
+    def _finish(self, requests: Iterable[Request]) -> list[RequestOutput]:
+        """Finish each of ``requests`` whose sequences are all done; their outputs."""
         done = self._finished_outputs
         outputs: list[RequestOutput] = []
         for request in requests:
@@ -318,7 +314,7 @@ class EngineCore:
             if seq.index == 0 and request.resumed:
                 self.offload.observe_resume_ttft(now - request.arrival_time)
             self.stats.observe_first_token(seq, now)
-        else:  # `EngineStats.observe_token`, inline (every token a step samples)
+        else:  # a later token: its inter-token latency, inline (every token a step samples)
             stats = self.stats
             stats.itl_s.append(now - last)
             stats.generated_tokens += 1

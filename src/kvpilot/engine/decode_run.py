@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_left
-from collections.abc import Collection
 from typing import TYPE_CHECKING
 
 from kvpilot.engine.run_protocols import RunLookout
@@ -125,12 +124,11 @@ def advance_decode_run(
         until = min(until, timer)
     block = kv.block_size
     k_max = max_steps
-    max_len, eos = engine.max_model_len, engine.eos_token_ids
-    text_stops = engine.tokenizer is not None
+    max_len = engine.max_model_len
     positions: list[int] = []
     firsts: list[int] = []  # sequence i needs a block at steps firsts[i], firsts[i] + B, ...
     lasts: list[int] = []  # the step sampling sequence i's last token is lasts[i] - 1
-    stopping: list[tuple[int, Collection[int]]] = []  # sequences with stop tokens: theirs
+    stopping: list[tuple[int, frozenset[int]]] = []  # sequences with stop tokens: theirs
     soonest = k_max + 1  # min(lasts) where it is at most k_max (it alone bounds the run)
     for seq in running:  # hot path
         traj = seq.traj
@@ -140,18 +138,15 @@ def advance_decode_run(
             return 0
         request = seq.request
         params = request.params
-        if (text_stops and params.stop) or (params.n > 1 and not request.forked):
+        if request.stop_texts or (params.n > 1 and not request.forked):
             return 0
         # Steps up to and including the one sampling the last token (max_tokens, length).
         # NOTE: conditionals, not min() and max(), on this path: a builtin call costs more.
         last = params.max_tokens - len(seq.output_token_ids)
         if max_len - tokens < last:
             last = max_len - tokens
-        if params.stop_token_ids or (eos and not params.ignore_eos):  # it may stop early
-            stop: Collection[int] = params.stop_token_ids
-            if eos and not params.ignore_eos:
-                stop = eos.union(stop)
-            stopping.append((len(positions), stop))
+        if request.stop_ids:  # it may stop early (`stop_rule`: its ids and EOS, unless ignored)
+            stopping.append((len(positions), request.stop_ids))
         positions.append(p)
         firsts.append(len(traj.block_table) * block - p)
         lasts.append(last)

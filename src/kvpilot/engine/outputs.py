@@ -25,8 +25,7 @@ def seq_text(tokenizer: Any, seq: Sequence) -> str:
     if seq.detok_offset == -1:  # cut by a stop string: final
         return seq.output_text
     if seq.detok_offset != len(seq.output_token_ids):
-        # Without a tokenizer there is no text (`decode`), not worth a call per snapshot.
-        seq.output_text = "" if tokenizer is None else decode(tokenizer, seq.output_token_ids)
+        seq.output_text = decode(tokenizer, seq.output_token_ids)
         seq.detok_offset = len(seq.output_token_ids)
     return seq.output_text
 

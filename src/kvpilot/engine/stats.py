@@ -26,7 +26,7 @@ class EngineStats:
     step_time_s: float = 0.0
     ttft_s: list[float] = field(default_factory=list)
     # A token after a sequence's first adds its inter-token latency here and counts in
-    # generated_tokens where it is appended (`Engine._append_token`, decode runs' `_apply`).
+    # generated_tokens where it is appended (`EngineCore._append_token`, decode runs' `_apply`).
     itl_s: list[float] = field(default_factory=list)
     e2e_s: list[float] = field(default_factory=list)
 

@@ -21,7 +21,7 @@ from kvpilot.engine.tier_stats import MoveStage, TierStats
 from kvpilot.errors import OutOfBlocks
 from kvpilot.memory import KVManager, RadixNode, Tier, Trajectory
 from kvpilot.memory.hashing import block_hash
-from kvpilot.memory.residency import LOADING, READY, Residency
+from kvpilot.memory.residency import LOADING, NO_ROOM, READY, Residency
 from kvpilot.memory.tiers import HOST
 from kvpilot.policy.meters import RateMeter
 
@@ -124,7 +124,7 @@ class TierLoader:
         need = sum(n.num_blocks for n in host_nodes) + len(disk_keys)
         dev = self._allocate_device(need, match.path, host_nodes)
         if dev is None:
-            return Residency.NO_ROOM
+            return NO_ROOM
         if any(not n.alive or Tier.HOST not in n.blocks for n in host_nodes):
             # Making room evicted a device-only node above one of them, and its subtree went
             # with it: give the blocks back and match again on the next step.

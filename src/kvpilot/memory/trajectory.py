@@ -249,9 +249,9 @@ class Trajectory(HighWaterMark):
         if self.closed:
             self._require_open()
         tokens = self.tokens
+        if computed > len(tokens) + len(ids) or computed < self.num_computed_tokens:
+            self._reject_computed(computed - self.num_computed_tokens)  # before any change
         tokens += ids
-        if computed > len(tokens) or computed < self.num_computed_tokens:
-            self._reject_computed(computed - self.num_computed_tokens)
         self.num_computed_tokens = computed
 
     def computed_in_run(self, computed: int) -> None:
