@@ -9,6 +9,7 @@ tables, free list) must be identical.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import math
 from typing import Any
 
@@ -28,6 +29,9 @@ from kvpilot.sim.profile import StepProfile
 from kvpilot.sim.runner import SimulatedRunner
 from kvpilot.sim.simulator import Simulator
 from kvpilot.sim.workload import WorkloadConfig
+
+# The module (the package's `batch_shape` is the function of that name).
+batch_shape_module = importlib.import_module("kvpilot.sim.batch_shape")
 
 
 def workload(seed: int, agents: int, forks: float, wait: float, turns: int) -> WorkloadConfig:
@@ -226,7 +230,8 @@ def test_decode_runs_on_a_calibrated_profile_with_shared_kv_give_the_same_simula
         return counted[-1]
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(runner_module, "shared_kv_tokens", counting)
+        patch.setattr(runner_module, "shared_kv_tokens", counting)  # decode runs
+        patch.setattr(batch_shape_module, "shared_kv_tokens", counting)  # single steps
         stepped = state(*simulate(setup, wl, policy, runs=False))
         assert max(counted) > 0  # the steps did share KV
         jumped = state(*simulate(setup, wl, policy, runs=True))

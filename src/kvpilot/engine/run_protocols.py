@@ -59,8 +59,9 @@ class RunLookout(Protocol):
     """Something that looks at the engine at step boundaries inside a run (the simulator's
     telemetry samples), so that a run need not stop for it. At those boundaries the clock,
     the block pools, the prefix cache's evictable blocks, the batch and the inter-token
-    latencies recorded (`EngineStats.itl_s`) are what stepping one by one would leave;
-    sequences' tokens and computed counts are not (they are updated in bulk)."""
+    latencies recorded (`EngineStats.itl_s`) are what stepping one by one would leave, and
+    so are sequences' computed counts (set to the look's step, `Trajectory.computed_in_run`);
+    their tokens are not (appended in bulk)."""
 
     def plan_looks(self, starts: Sequence[float]) -> tuple[list[int], int]:
         """For a run whose step ``j`` starts at clock time ``starts[j]`` (the last entry: when

@@ -20,7 +20,7 @@ from kvpilot.engine.executor import SeqWork, StepOutput
 from kvpilot.engine.run_protocols import TokenStream
 from kvpilot.errors import ConfigError
 from kvpilot.memory.hashing import ModelFingerprint
-from kvpilot.sim.batch_shape import BatchShape, decode_run_shape, shared_kv_tokens, window_pairs
+from kvpilot.sim.batch_shape import BatchShape, batch_shape, decode_run_shape, shared_kv_tokens
 from kvpilot.sim.cost_model import StepCostModel
 
 if TYPE_CHECKING:
@@ -86,9 +86,9 @@ class SimulatedRunner:
         # figures, or the KV read more than once (counted only for a cost model reading it).
         self._distinct_kv = cost.reads_distinct_kv
         self._plain_shape = not cost.windows and not self._distinct_kv
-        # The last decode run clocked for a cost model reading distinct KV: (its positions,
-        # the KV its steps read more than once).
-        self._run_shared: tuple[Sequence[int], int] = ((), 0)
+        # The KV the steps of the last decode run clocked read more than once (for a cost
+        # model reading distinct KV; a run is recorded right after it is clocked).
+        self._run_shared_kv = 0
         self._high_water: dict[int, int] = {}
         self._streams: dict[int, TokenStream] = {}  # by seed: its draws made ahead
 
@@ -97,9 +97,8 @@ class SimulatedRunner:
         """The shape of the last step executed (of a decode run: its last step)."""
         if self._last_run is not None:
             positions, step = self._last_run
-            clocked, shared = self._run_shared
             self._last_shape = decode_run_shape(
-                positions, step, self.cost.windows, shared if clocked is positions else 0
+                positions, step, self.cost.windows, self._run_shared_kv
             )
             self._last_run = None
         return self._last_shape
@@ -138,8 +137,9 @@ class SimulatedRunner:
                 )
         # BatchShape(len(works), prefill, decode, kv_read, pairs), its defaults spelt out
         shape = _new_shape(BatchShape, (len(works), prefill, decode, kv_read, pairs, (), (), 0))
-        if not self._plain_shape:
-            shape = self._full_shape(works, shape)
+        if not self._plain_shape:  # a cost model reading window or shared-KV figures
+            shared_by = self.block_size if self._distinct_kv else None
+            shape = batch_shape(works, self.cost.windows, shared_by)
         dt = self.cost.step_time_s(shape)
         self.clock.advance(dt)
         self.busy_s += dt
@@ -148,26 +148,6 @@ class SimulatedRunner:
         self._last_shape = shape
         self._last_run = None
         return StepOutput(out)
-
-    def _full_shape(self, works: Sequence[SeqWork], shape: BatchShape) -> BatchShape:
-        """``shape`` with the figures only some cost models read: window and shared KV."""
-        windows = self.cost.windows
-        if windows:
-            shape = shape._replace(
-                window_kv_read=tuple(
-                    sum(min(w.start_pos, size) for w in works) for size in windows
-                ),
-                window_pairs=tuple(
-                    sum(window_pairs(len(w.token_ids), w.start_pos, size) for w in works)
-                    for size in windows
-                ),
-            )
-        if self._distinct_kv:
-            shared = shared_kv_tokens(
-                [w.start_pos for w in works], [w.block_table for w in works], self.block_size
-            )
-            shape = shape._replace(shared_kv_tokens=shared)
-        return shape
 
     def poison_blocks(self, blocks: Sequence[int]) -> None:
         """Nothing to poison: simulated blocks hold no KV."""
@@ -193,7 +173,7 @@ class SimulatedRunner:
         shared = shared_kv_tokens(
             positions, [seq.traj.block_table for seq in running], self.block_size
         )
-        self._run_shared = (positions, shared)
+        self._run_shared_kv = shared
         return self.cost.decode_run_clock(positions, start, until, max_steps, shared)
 
     def decode_run_tokens(self, seed: int, first_step: int, steps: int) -> list[int]:
