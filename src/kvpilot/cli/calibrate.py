@@ -87,9 +87,10 @@ def calibrate(
             max_output_tokens=max_output_tokens,
             min_calls=3,
         )
+        checked: dict[str, Any] | None = None
         if check and paths:
-            profile, result = _calibrate_checked(
-                model, paths, limits, kv_blocks, quick, threads, passes, out, console, as_json
+            profile, checked = _calibrate_checked(
+                model, paths, limits, kv_blocks, quick, threads, passes, console, as_json
             )
         else:
             with Progress(console=console, transient=True, disable=as_json) as bar:
@@ -101,8 +102,10 @@ def calibrate(
                     threads=threads,
                     on_progress=lambda i, n: bar.update(task, completed=i, total=n),
                 )
-            profile.save(out)
-            result = {"profile": str(out), **profile.to_json()}
+        profile.save(out)
+        result: dict[str, Any] = {"profile": str(out), **profile.to_json()}
+        if checked is not None:
+            result["check"] = checked
     except KvpilotError as exc:
         raise _fail(exc) from exc
     if as_json:
@@ -140,12 +143,11 @@ def _calibrate_checked(
     quick: bool,
     threads: int,
     passes: int,
-    out: Path,
     console: Console,
     as_json: bool,
 ) -> tuple[StepProfile, dict[str, Any]]:
     """Calibrate interleaved with ``passes`` real replays of the trace at ``paths``; the
-    profile (saved to ``out``) and the result, with the check of all passes together."""
+    profile and the check: all passes together and each pass's signed error."""
     from rich.progress import Progress
 
     from kvpilot.sim import calibrate as cal
@@ -169,14 +171,10 @@ def _calibrate_checked(
             threads=threads,
             on_pass=lambda done: bar.update(task, completed=done),
         )
-    profile = measured.profile
-    profile.save(out)
     check = measured.checks["check"]
-    result: dict[str, Any] = {"profile": str(out), **profile.to_json()}
-    result["check"] = {
+    return measured.profile, {
         **check.total.to_json(),
         "passes": len(check.passes),
         "pass_errors": check.pass_errors,
         "steady_errors": check.steady_errors,
     }
-    return profile, result

@@ -252,7 +252,7 @@ class RadixEviction(ABC):
         bs = self.block_size
         while freed < num_blocks:
             want = num_blocks - freed
-            heap = heaps[tier]  # read anew: a compaction replaces the list
+            heap = heaps[tier]
             if heap:
                 # `peek`'s answer without the call when the top entry is a fresh childless
                 # single-copy candidate, the hot path's node (else `peek` fixes the heap).
@@ -294,8 +294,8 @@ class RadixEviction(ABC):
                     node._hashes = node._hashes[: -want * HASH_BYTES]
                 node.depth_tokens -= want * bs
                 tally.evictable -= want
-                # `requeue_top`, called only when it has something to do (``heap`` is still
-                # the tier's list: `peek` fixes it in place, only a requeue compacts it)
+                # `requeue_top`, called only when it has something to do (``heap`` is the
+                # tier's list: `peek` fixes it and a compaction rebuilds it, both in place)
                 n = len(heap)
                 if (
                     (n > 1 and heap[1][0] <= key)

@@ -16,11 +16,11 @@ non-negative coefficients, of::
     step_s = a + b * prefill_tokens + c * decode_seqs + d * kv_read_tokens + e * attention_pairs
              + f * distinct_kv_tokens
 
-`check_replay` (`kvpilot.sim.replay_check`) then replays the same trace on the real engine
-and on the simulator with that profile (same engine config, same KV pool) and compares
-throughput and prefix hit rate. The machine's speed drifts (by 10-30% within minutes on a
-shared one), so `kvpilot.sim.paired` measures the calibration steps interleaved with the
-real replays, exposing both to the same drift.
+A replay of a trace on the real engine and on the simulator with that profile (same engine
+config, same KV pool) then compares throughput and prefix hit rate (`check_replay` in
+`kvpilot.sim.replay_check`, once). The machine's speed drifts (by 10-30% within minutes on a
+shared one), so `kvpilot calibrate --check` and bench_sim measure with `kvpilot.sim.paired`:
+the calibration steps interleaved with repeated real replays, exposing both to the same drift.
 
 Time is measured as this process's CPU time, with torch on one thread: on a shared machine
 wall time also counts other processes' turns on the cores, which is noise the profile must
